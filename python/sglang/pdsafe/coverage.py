@@ -1,0 +1,344 @@
+"""Token-exact coverage attestation between prefill and decode (issue #3, items 4, 5 and 8).
+
+Upstream decode commits a finished transfer after checking only the bootstrap room. Prefill,
+however, writes KV for *its* view of the prompt: when the two servers shape a prompt
+differently (``--allow-auto-truncate`` with different KV capacities or ``--context-length``, a
+different chat template or tokenizer setting, a re-bootstrap length), prefill writes fewer (or
+more, or other) positions than decode reserved, and decode then reads pages nobody wrote for
+this request: another tenant's KV, served with HTTP 200.
+
+This module closes that hole with an attestation that travels in the metadata row prefill
+already transfers for every request (upstream's ``MetadataBuffers.bootstrap_room``, one row of
+8 x 64 bit per request of which upstream uses only slot 0). Prefill fills the spare slots at its
+last chunk; decode checks them against its own reservation before commit:
+
+====  ===================  ==============================================================
+slot  field                meaning
+====  ===================  ==============================================================
+0     room                 bootstrap room (upstream writes and checks it)
+1     magic                ``MAGIC_VERSION``: "pdsafe" + layout version (0 = no attestation)
+2     token_digest         blake2b of (room, token ids ``[0, first + count)``): the per
+                           transfer binding value, see :func:`token_digest`
+3     first_token_idx      first position prefill wrote (decode's promised prefix length)
+4     token_count          positions prefill wrote: ``[first, first + count)``
+5     page_count           pages prefill wrote into decode's reservation
+6     page_size            prefill's page size
+7     crc                  blake2b of slots 0..6
+====  ===================  ==============================================================
+
+Why the existing row and not a new metadata buffer: a new buffer changes the positional aux
+buffer list of every backend (Mooncake, NIXL, MORI, Ascend pair buffers by position and stop
+at the shorter list, see ``check_peer_aux_buffer_count``), whereas slots of an existing row
+are transferred by all of them unchanged, in the same write as the room, so decode's readiness
+gate (room != 0) also proves that the attestation landed. A prefill without this module leaves
+the slots zero: decode then refuses the transfer ("no attestation") instead of guessing.
+
+Invariants:
+
+* Decode commits a transferred request only if the attestation equals its reservation in
+  every field (room, token digest, first token, token count, page count, page size) and the
+  row's crc is valid; otherwise the request is aborted with HTTP 500 naming both sides' counts,
+  ``coverage_mismatch_total`` (or ``coverage_attestation_invalid_total``) is incremented, it
+  never decodes, and its pages are freed by the normal failed-commit path.
+* The pure functions here (``build_*``, ``encode``, ``decode``, ``verify``) never touch torch
+  or a server; the ``*_hook`` functions are the thin glue the patches call.
+
+What the token digest proves and what it does not: it binds the attestation to the exact token
+sequence prefill computed KV from (same tokens in the same order, for this room), so a
+divergence that keeps the length (a template that differs in one word) is caught as well as one
+that changes it. It is *derived* by both sides (decode recomputes it from its own tokens): it is
+not a secret and not a decode-generated per-reservation nonce, so it does not distinguish two
+transfers of the same room with the same tokens (a client reusing a room for an identical
+prompt, or a late row from an earlier attempt of the same room and prompt); freshness against
+room reuse needs a generation carried in the bootstrap metadata message. It also attests what
+prefill *claims* to have written, not the bytes in the pages (that is the KV checksum's job).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sglang.pdsafe import metrics
+from sglang.pdsafe.protections import Protection, register
+
+logger = logging.getLogger(__name__)
+
+#: "pdsafe" in ASCII, then a 16-bit layout version. Positive as int64 (Ascend's row dtype).
+MAGIC_VERSION = 0x7064_7361_6665_0001
+ROW_WIDTH = 8
+SLOT_ROOM, SLOT_MAGIC, SLOT_DIGEST, SLOT_FIRST, SLOT_COUNT, SLOT_PAGES, SLOT_PAGE_SIZE, SLOT_CRC = (
+    range(ROW_WIDTH)
+)
+_U64 = (1 << 64) - 1
+
+#: ``enforce`` (default): refuse mismatching transfers. ``log``: count and log them but commit
+#: anyway (only for a rolling upgrade from an unpatched prefill; logs a warning at startup).
+ENV_MODE = "SGLANG_PDSAFE_COVERAGE"
+
+OPERATOR_HINT = (
+    "Prefill and decode shaped this prompt differently. Give both servers the same "
+    "prompt-shaping settings: --context-length, --max-total-tokens together with "
+    "--allow-auto-truncate (auto-truncation cuts at each server's own limit; send prompts "
+    "within the smaller limit or disable it), --chat-template, tokenizer settings, "
+    "--page-size."
+)
+
+
+def mode() -> str:
+    """The configured mode (``enforce`` unless ``SGLANG_PDSAFE_COVERAGE=log``)."""
+    value = os.environ.get(ENV_MODE, "enforce").strip().lower()
+    return "log" if value == "log" else "enforce"
+
+
+def _is_pd_enforced(server_args: Any) -> bool:
+    return (getattr(server_args, "disaggregation_mode", "null") in ("prefill", "decode")
+            and mode() == "enforce")
+
+
+register(Protection(
+    name="coverage-attestation",
+    guards="decode commits a transfer only if prefill attests exactly the token range, "
+           "tokens and pages decode reserved (no decode over pages nobody wrote)",
+    is_active=_is_pd_enforced,
+    disabled_by=f"{ENV_MODE}=log",
+))
+
+
+# --------------------------------------------------------------------------- pure functions
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What one side says about a request's transferred range (positions ``[first, first+count)``)."""
+
+    room: int
+    token_digest: int
+    first_token_idx: int
+    token_count: int
+    page_count: int
+    page_size: int
+
+    @property
+    def end_token_idx(self) -> int:
+        return self.first_token_idx + self.token_count
+
+
+def _h63(*parts: bytes) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(p)
+    return int.from_bytes(h.digest(), "little") >> 1  # fits int64 and uint64 rows
+
+
+def token_digest(room: int, token_ids: Sequence[int]) -> int:
+    """Digest of (room, token ids): the per-transfer binding value both sides derive.
+
+    Covers the whole prefix ``[0, end)``, not only the written positions: the KV at a position
+    depends on every token before it.
+    """
+    import numpy as np
+
+    arr = np.asarray(token_ids, dtype=np.int64)
+    return _h63(b"pdsafe-cov1", (int(room) & _U64).to_bytes(8, "little"), arr.tobytes())
+
+
+def pages_for(first_token_idx: int, token_count: int, page_size: int) -> int:
+    """Pages holding positions ``[first, first + count)`` (``first`` is page aligned)."""
+    if token_count <= 0:
+        return 0
+    return -(-token_count // max(page_size, 1))
+
+
+def build_coverage(room: int | None, token_ids: Sequence[int], first_token_idx: int,
+                   end_token_idx: int, page_size: int, page_count: int | None = None) -> Coverage:
+    """The coverage of positions ``[first, end)`` computed from ``token_ids[:end]``."""
+    room = int(room or 0) & _U64
+    first = int(first_token_idx)
+    count = max(int(end_token_idx) - first, 0)
+    pages = pages_for(first, count, page_size) if page_count is None else int(page_count)
+    return Coverage(room=room, token_digest=token_digest(room, list(token_ids)[:end_token_idx]),
+                    first_token_idx=first, token_count=count, page_count=pages,
+                    page_size=int(page_size))
+
+
+def _crc(values: Sequence[int]) -> int:
+    return _h63(b"pdsafe-row1", b"".join((int(v) & _U64).to_bytes(8, "little") for v in values))
+
+
+def encode(cov: Coverage) -> list[int]:
+    """The 8-slot metadata row for ``cov`` (slot 0 = room, as upstream writes it)."""
+    row = [cov.room, MAGIC_VERSION, cov.token_digest, cov.first_token_idx, cov.token_count,
+           cov.page_count, cov.page_size]
+    for v in row[1:]:
+        if not 0 <= v < (1 << 63):
+            raise ValueError(f"coverage field out of int64 range: {v}")
+    return row + [_crc(row)]
+
+
+class RowError(ValueError):
+    """A metadata row without a valid attestation; ``reason`` is ``missing`` or ``corrupt``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def decode(row: Sequence[int]) -> Coverage:
+    """Parse a metadata row; raise :class:`RowError` if it carries no valid attestation."""
+    vals = [int(v) & _U64 for v in row]
+    if len(vals) < ROW_WIDTH:
+        raise RowError("missing", f"metadata row has {len(vals)} slots, need {ROW_WIDTH}")
+    if vals[SLOT_MAGIC] != MAGIC_VERSION:
+        what = ("none (all zero)" if vals[SLOT_MAGIC] == 0
+                else f"unknown tag {vals[SLOT_MAGIC]:#x}")
+        raise RowError("missing", f"prefill sent no coverage attestation ({what}); "
+                                  "it runs without sglang-pdsafe or another version of it")
+    if vals[SLOT_CRC] != _crc(vals[:SLOT_CRC]):
+        raise RowError("corrupt", "coverage attestation row fails its checksum")
+    return Coverage(room=vals[SLOT_ROOM], token_digest=vals[SLOT_DIGEST],
+                    first_token_idx=vals[SLOT_FIRST], token_count=vals[SLOT_COUNT],
+                    page_count=vals[SLOT_PAGES], page_size=vals[SLOT_PAGE_SIZE])
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    MISSING = "missing"      # no attestation in the row (unpatched or other-version prefill)
+    CORRUPT = "corrupt"      # attestation present but its checksum fails
+    MISMATCH = "mismatch"    # valid attestation that differs from decode's reservation
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Result of checking one transfer. ``differs`` names the fields that differ."""
+
+    outcome: Outcome
+    message: str = ""
+    differs: tuple[str, ...] = ()
+    attested: Coverage | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+    @property
+    def counter(self) -> str:
+        return ("coverage_mismatch_total" if self.outcome is Outcome.MISMATCH
+                else "coverage_attestation_invalid_total")
+
+
+_FIELDS = ("room", "token_digest", "first_token_idx", "token_count", "page_count", "page_size")
+
+
+def _describe(c: Coverage) -> str:
+    return (f"tokens [{c.first_token_idx}, {c.end_token_idx}) = {c.token_count} tokens in "
+            f"{c.page_count} pages of {c.page_size}")
+
+
+def verify(row: Sequence[int], reservation: Coverage, rid: str = "?") -> Verdict:
+    """Compare the transferred row with decode's own reservation (see module invariants)."""
+    try:
+        att = decode(row)
+    except RowError as e:
+        outcome = Outcome.MISSING if e.reason == "missing" else Outcome.CORRUPT
+        return Verdict(outcome, (
+            f"KV transfer refused for request {rid} (bootstrap_room={reservation.room}): {e}. "
+            f"Decode reserved {_describe(reservation)} and cannot tell what prefill wrote, so "
+            "the request was not decoded. Run the same sglang-pdsafe version on prefill and "
+            f"decode (for a rolling upgrade only: {ENV_MODE}=log on decode)."))
+    differs = tuple(f for f in _FIELDS if getattr(att, f) != getattr(reservation, f))
+    if not differs:
+        return Verdict(Outcome.OK, attested=att)
+    extra = ""
+    if differs == ("token_digest",):
+        extra = (" Same length, but prefill computed the KV from other tokens than decode holds "
+                 "(chat template or tokenizer differs).")
+    return Verdict(Outcome.MISMATCH, (
+        f"KV coverage mismatch for request {rid} (bootstrap_room={reservation.room}): prefill "
+        f"wrote {_describe(att)}, decode reserved {_describe(reservation)} "
+        f"(differs: {', '.join(differs)}).{extra} The request was not decoded. "
+        + OPERATOR_HINT), differs, att)
+
+
+# --------------------------------------------------------------------------- hooks (glue)
+
+_RESERVATION_ATTR = "_pdsafe_coverage_reservation"
+
+
+def decode_token_ids(queue: Any, req: Any) -> list[int]:
+    """Tokens decode reserved KV for: the prompt, plus the outputs on a re-bootstrap."""
+    end = len(req.origin_input_ids)
+    fn = getattr(type(queue), "_rebootstrap_prefill_len", None)
+    if fn is not None:
+        end = int(fn(req))
+    ids = list(req.origin_input_ids)
+    if end > len(ids):
+        ids += list(req.output_ids)
+    return ids[:end]
+
+
+def note_reservation_hook(queue: Any, decode_req: Any, page_indices: Sequence[int],
+                          page_size: int, decode_prefix_len: int | None) -> None:
+    """Decode, right before its metadata goes to prefill: remember what it reserved."""
+    req = decode_req.req
+    ids = decode_token_ids(queue, req)
+    cov = build_coverage(req.bootstrap_room, ids, int(decode_prefix_len or 0), len(ids),
+                         int(page_size), page_count=len(page_indices))
+    setattr(decode_req, _RESERVATION_ATTR, cov)
+
+
+def attest_prefill_hook(metadata_buffers: Any, req: Any, end_idx: int, page_size: int) -> None:
+    """Prefill, at its last chunk, after upstream's ``set_buf``: write the attestation row."""
+    import torch
+
+    first = int(getattr(req, "disagg_decode_prefix_len", 0) or 0)
+    cov = build_coverage(req.bootstrap_room, req.origin_input_ids, first, int(end_idx),
+                         int(page_size))
+    buf = metadata_buffers.bootstrap_room
+    row = encode(cov)
+    buf[req.metadata_buffer_index, 1:ROW_WIDTH] = torch.tensor(
+        row[1:], dtype=buf.dtype, device=buf.device)
+
+
+def check_commit_hook(transfer_queue: Any, decode_req: Any) -> Verdict:
+    """Decode, before commit: verify the transferred row against the recorded reservation."""
+    req = decode_req.req
+    reservation = getattr(decode_req, _RESERVATION_ATTR, None)
+    rid = getattr(req, "rid", "?")
+    if reservation is None:
+        return Verdict(Outcome.MISSING, (
+            f"KV transfer refused for request {rid} (bootstrap_room={req.bootstrap_room}): "
+            "decode recorded no reservation for it, so its coverage cannot be checked; the "
+            "request was not decoded. This is an sglang-pdsafe bug: please report it."))
+    row = transfer_queue.metadata_buffers.bootstrap_room[decode_req.metadata_buffer_index]
+    return verify(row.tolist(), reservation, rid)
+
+
+def admit(transfer_queue: Any, decode_req: Any) -> bool:
+    """Run the coverage check for one finished transfer; abort the request on failure.
+
+    Returns False when the request must not decode (it is then already aborted with HTTP 500
+    through upstream's ``prepare_abort``, like the bootstrap-room mismatch).
+    """
+    from sglang.srt.disaggregation.utils import _is_fake_transfer, prepare_abort
+
+    req = decode_req.req
+    if _is_fake_transfer(req):
+        return True  # nothing was transferred (server warmup); see the spoofing guard
+    verdict = check_commit_hook(transfer_queue, decode_req)
+    if verdict.ok:
+        return True
+    metrics.inc(verdict.counter)
+    if mode() == "log":
+        logger.error("%s [%s=log: committed anyway]", verdict.message, ENV_MODE)
+        return True
+    logger.error(verdict.message)
+    from http import HTTPStatus
+
+    prepare_abort(req, verdict.message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+    return False

@@ -1,0 +1,99 @@
+"""Prometheus counters for every pdsafe failure path, one specific name per failure class.
+
+Counters are created lazily on first use, in whichever process increments them (HTTP server,
+scheduler), after SGLang has set ``PROMETHEUS_MULTIPROC_DIR``; with ``--enable-metrics`` they
+appear on the server's ``/metrics`` endpoint next to upstream's ``sglang:`` metrics. Without a
+metrics registry they still count in-process (``value()``), so the logic never depends on
+whether metrics are exported.
+
+Invariant: each name below is incremented on exactly one class of failure, so an operator's
+alert on a name means one thing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "sglang:pdsafe_"
+
+#: name -> help text. Add a name here before incrementing it anywhere.
+COUNTERS: dict[str, str] = {
+    # admission (issue #3)
+    "rejected_over_capacity_http_total":
+        "Requests rejected at the HTTP layer: prompt longer than max_req_input_len.",
+    "rejected_over_capacity_prefill_door_total":
+        "PD requests rejected at the prefill scheduler door (over KV capacity).",
+    "rejected_over_capacity_decode_door_total":
+        "PD requests rejected at the decode scheduler door (over KV capacity).",
+    "coverage_mismatch_total":
+        "Transfers refused at decode commit: prefill wrote a different token range than "
+        "decode reserved (room, token count, page count or nonce differ).",
+    "coverage_attestation_invalid_total":
+        "Transfers refused at decode commit: the metadata row carried no valid coverage "
+        "attestation (prefill without sglang-pdsafe or another version, or a corrupt row).",
+    "rejected_spoofed_bootstrap_host_total":
+        "Client requests rejected for carrying the server-internal fake bootstrap host.",
+    "rejected_spoofed_rid_total":
+        "Client requests rejected for carrying the server-internal health-check rid prefix.",
+    "peer_notified_release_total":
+        "Requests whose peer was told to release its reservation after a local rejection.",
+    "placeholder_blocked_total":
+        "Aborted requests stopped before a KV sender/receiver was created for them.",
+}
+HISTOGRAMS: dict[str, str] = {
+    "peer_release_latency_seconds":
+        "Time from a local PD rejection until the peer's reservation was released.",
+}
+
+_lock = threading.Lock()
+_local: dict[str, float] = {}
+_prom: dict[str, Any] = {}
+
+
+def _metric(name: str) -> Any | None:
+    with _lock:
+        if name in _prom:
+            return _prom[name]
+        try:
+            from prometheus_client import Counter, Histogram
+
+            if name in COUNTERS:
+                m = Counter(PREFIX + name.removesuffix("_total"), COUNTERS[name])
+            else:
+                m = Histogram(PREFIX + name, HISTOGRAMS[name],
+                              buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
+        except Exception as e:  # registry unavailable or duplicate: count locally only
+            logger.debug("pdsafe metric %s not exported: %s", name, e)
+            m = None
+        _prom[name] = m
+        return m
+
+
+def inc(name: str, amount: float = 1.0) -> None:
+    """Increment the counter ``name`` (must be declared in COUNTERS)."""
+    if name not in COUNTERS:
+        raise KeyError(f"undeclared pdsafe counter {name!r}")
+    with _lock:
+        _local[name] = _local.get(name, 0.0) + amount
+    m = _metric(name)
+    if m is not None:
+        m.inc(amount)
+
+
+def observe(name: str, value: float) -> None:
+    """Record ``value`` in the histogram ``name`` (must be declared in HISTOGRAMS)."""
+    if name not in HISTOGRAMS:
+        raise KeyError(f"undeclared pdsafe histogram {name!r}")
+    m = _metric(name)
+    if m is not None:
+        m.observe(value)
+
+
+def value(name: str) -> float:
+    """In-process count of ``name`` (for logs and tests of this process)."""
+    with _lock:
+        return _local.get(name, 0.0)

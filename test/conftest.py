@@ -1,0 +1,74 @@
+"""Shared fixtures: one co-located reference server and one PD stack per backend per session.
+
+Servers are slow to start on 2 cores (~30 s), so they are session-scoped and shared; a test
+that needs special server flags starts its own stack through harness.servers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness.oracle import Oracle  # noqa: E402
+from harness.servers import (  # noqa: E402
+    DEFAULT_MODEL,
+    PDStack,
+    ServerConfig,
+    colocated_server,
+    new_log_dir,
+    pd_stack,
+)
+
+BACKENDS = ["mooncake", "nixl"]
+MODEL = Path(os.environ.get("PDSAFE_MODEL", str(DEFAULT_MODEL)))
+# Small pools so that pages are reused within a few requests.
+SHARED_DECODE_POOL = 1024
+SHARED_PREFILL_POOL = 1024
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    assert (MODEL / "config.json").is_file(), f"tiny model missing at {MODEL}"
+    return MODEL
+
+
+@pytest.fixture(scope="session")
+def log_dir() -> Path:
+    return new_log_dir()
+
+
+@pytest.fixture(scope="session")
+def reference(log_dir: Path, model_path: Path) -> Iterator:
+    with colocated_server(log_dir, ServerConfig(role="colocated", model_path=model_path,
+                                                max_total_tokens=8192)) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def oracle(reference) -> Oracle:
+    return Oracle(reference.url)
+
+
+_stacks: dict[str, object] = {}
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def pd(request: pytest.FixtureRequest, log_dir: Path, model_path: Path) -> Iterator[PDStack]:
+    """A shared PD pair + router per backend (small pools, page size 1)."""
+    backend = request.param
+    with pd_stack(
+        backend, log_dir,
+        prefill=ServerConfig(role="prefill", model_path=model_path,
+                             max_total_tokens=SHARED_PREFILL_POOL),
+        decode=ServerConfig(role="decode", model_path=model_path,
+                            max_total_tokens=SHARED_DECODE_POOL,
+                            # Only acts on rids with the fault prefixes (oracle self-test).
+                            env={"SGLANG_PDSAFE_TEST_FAULTS": "foreign_kv:16"}),
+    ) as stack:
+        yield stack

@@ -1,0 +1,1 @@
+"""Test and benchmark harness for sglang-pdsafe (real servers, content oracle, KV harness)."""

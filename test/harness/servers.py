@@ -1,0 +1,445 @@
+"""Real SGLang servers on CPU for content tests: co-located reference, PD pairs, the PD router.
+
+Used by the pytest fixtures (test/conftest.py) and by benchmark/. Every process listens on
+127.0.0.1 only and every transport is pinned to loopback (see ``loopback_env``).
+
+Invariants:
+
+* A process started here is always stopped (its whole process group) by ``stop()`` or by the
+  context manager, also when startup fails; failures raise with the tail of the process's log.
+* Servers get explicit ``--max-total-tokens`` (uncapped pools take GBs on CPU) and a page size,
+  so tests control page reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = REPO / "test" / "assets" / "tiny-copy-llama"
+STARTUP_TIMEOUT_S = float(os.environ.get("PDSAFE_STARTUP_TIMEOUT", "300"))
+
+
+def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for every server: CPU engine, all transports pinned to loopback."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "SGLANG_HOST_IP": "127.0.0.1",
+            "UCX_NET_DEVICES": "lo",
+            "UCX_TLS": env.get("UCX_TLS", "tcp,self,sm"),
+            "MOONCAKE_PROTOCOL": "tcp",
+            "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES": "64",
+            "NO_PROXY": "127.0.0.1,localhost",
+            "no_proxy": "127.0.0.1,localhost",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+            # An aborted request reaching KV sender/receiver creation raises (placeholder_guard).
+            "SGLANG_PDSAFE_STRICT": "1",
+            # Few threads per server: several servers share 2 cores, and a fixed thread
+            # count keeps float reductions identical between the reference and PD servers.
+            "OMP_NUM_THREADS": env.get("PDSAFE_OMP_THREADS", "1"),
+        }
+    )
+    if extra:
+        env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StartupError(RuntimeError):
+    """A server did not become healthy; the message carries its log tail."""
+
+
+@dataclass
+class ManagedProcess:
+    """One child process in its own session, with its output in a log file."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        keep = [ln for ln in lines if "warnings.warn" not in ln and "Warning:" not in ln]
+        return "\n".join(keep[-n:])
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop the process and its whole process group (schedulers, detokenizer...)."""
+        if self.proc is None:
+            return
+        try:
+            pgid = os.getpgid(self.proc.pid)
+        except ProcessLookupError:
+            pgid = None
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            if pgid is not None:
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    break
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        if pgid is not None:  # reap stragglers of the group
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def wait_healthy(proc: ManagedProcess, url: str, path: str = "/health",
+                 timeout: float = STARTUP_TIMEOUT_S) -> None:
+    """Poll ``url+path`` until it answers 200; raise StartupError with the log otherwise."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise StartupError(f"{proc.name} exited during startup:\n{proc.log_tail()}")
+        try:
+            r = requests.get(url + path, timeout=5)
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text[:200]}"
+        except requests.RequestException as e:
+            last = str(e)[:200]
+        time.sleep(1.0)
+    raise StartupError(f"{proc.name} not healthy after {timeout:.0f}s ({last}):\n{proc.log_tail()}")
+
+
+@dataclass
+class ServerConfig:
+    """What one sglang server runs with. ``role``: colocated | prefill | decode."""
+
+    role: str
+    model_path: Path = DEFAULT_MODEL
+    backend: str = "mooncake"
+    max_total_tokens: int = 4096
+    page_size: int = 1
+    context_length: int | None = None
+    allow_auto_truncate: bool = False
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SGLangServer:
+    """A running ``python -m sglang.launch_server`` on 127.0.0.1."""
+
+    config: ServerConfig
+    port: int
+    process: ManagedProcess
+    bootstrap_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.process.stop()
+
+    def metrics(self) -> str:
+        return requests.get(self.url + "/metrics", timeout=10).text
+
+    def server_info(self) -> dict[str, Any]:
+        return requests.get(self.url + "/server_info", timeout=10).json()
+
+
+def launch_server(cfg: ServerConfig, log_dir: Path, *, wait: bool = True) -> SGLangServer:
+    """Start one server; with ``wait`` return only once it answers /health."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(cfg.model_path),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--device", "cpu", "--dtype", "float32",
+        "--max-total-tokens", str(cfg.max_total_tokens),
+        "--page-size", str(cfg.page_size),
+        "--random-seed", "0",
+        "--enable-metrics",
+        "--log-level", "info",
+    ]
+    if cfg.context_length:
+        argv += ["--context-length", str(cfg.context_length)]
+    if cfg.allow_auto_truncate:
+        argv += ["--allow-auto-truncate"]
+    bootstrap_port = None
+    if cfg.role in ("prefill", "decode"):
+        argv += [
+            "--disaggregation-mode", cfg.role,
+            "--disaggregation-transfer-backend", cfg.backend,
+        ]
+        if cfg.role == "prefill":
+            bootstrap_port = free_port()
+            argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        else:
+            argv += ["--disaggregation-decode-retraction-backup", "none"]
+    argv += cfg.extra_args
+    name = f"{cfg.role}-{cfg.backend if cfg.role != 'colocated' else 'ref'}-{port}"
+    proc = ManagedProcess(name, argv, loopback_env(cfg.env), log_dir / f"{name}.log")
+    proc.start()
+    server = SGLangServer(cfg, port, proc, bootstrap_port)
+    if wait:
+        try:
+            wait_healthy(proc, server.url)
+        except BaseException:
+            proc.stop()
+            raise
+    return server
+
+
+@dataclass
+class Router:
+    """The real PD router (``smg launch --pd-disaggregation``) in front of a PD pair."""
+
+    port: int
+    process: ManagedProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def launch_router(prefill: SGLangServer, decode: SGLangServer, log_dir: Path) -> Router:
+    port = free_port()
+    smg = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
+    if smg is None:
+        raise StartupError("the `smg` router is not installed (pip install smg; see README)")
+    argv = [
+        smg, "launch", "--pd-disaggregation",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        "--prefill", prefill.url, str(prefill.bootstrap_port),
+        "--decode", decode.url,
+        "--policy", "round_robin",
+    ]
+    proc = ManagedProcess(f"router-{port}", argv, loopback_env(), log_dir / f"router-{port}.log")
+    proc.start()
+    router = Router(port, proc)
+    try:
+        wait_healthy(proc, router.url, "/health")
+        # The router's health answers before it has probed the workers: wait for a
+        # real generation to go through.
+        deadline = time.monotonic() + 120
+        while True:
+            r = requests.post(router.url + "/generate", json={
+                "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1,
+                                                              "temperature": 0}}, timeout=60)
+            if r.status_code == 200:
+                break
+            if time.monotonic() > deadline:
+                raise StartupError(f"router never served a request: {r.status_code} {r.text}")
+            time.sleep(1.0)
+    except BaseException:
+        proc.stop()
+        raise
+    return router
+
+
+@dataclass
+class PDStack:
+    """A prefill server, a decode server and the router in front of them."""
+
+    backend: str
+    prefill: SGLangServer
+    decode: SGLangServer
+    router: Router | None
+
+    def stop(self) -> None:
+        for p in (self.router, self.decode, self.prefill):
+            if p is not None:
+                p.stop()
+
+
+@contextmanager
+def pd_stack(
+    backend: str,
+    log_dir: Path,
+    *,
+    prefill: ServerConfig | None = None,
+    decode: ServerConfig | None = None,
+    with_router: bool = True,
+) -> Iterator[PDStack]:
+    """Start prefill + decode (in parallel) and, optionally, the router; stop all on exit."""
+    pcfg = prefill or ServerConfig(role="prefill")
+    dcfg = decode or ServerConfig(role="decode")
+    pcfg.role, dcfg.role = "prefill", "decode"
+    pcfg.backend = dcfg.backend = backend
+    p = launch_server(pcfg, log_dir, wait=False)
+    d = launch_server(dcfg, log_dir, wait=False)
+    router = None
+    try:
+        wait_healthy(p.process, p.url)
+        wait_healthy(d.process, d.url)
+        if with_router:
+            router = launch_router(p, d, log_dir)
+        stack = PDStack(backend, p, d, router)
+        yield stack
+    finally:
+        for x in (router, d, p):
+            if x is not None:
+                x.stop()
+
+
+@contextmanager
+def colocated_server(log_dir: Path, cfg: ServerConfig | None = None) -> Iterator[SGLangServer]:
+    cfg = cfg or ServerConfig(role="colocated")
+    cfg.role = "colocated"
+    s = launch_server(cfg, log_dir)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+# --------------------------------------------------------------------------- clients
+
+
+@dataclass
+class GenResult:
+    """One /generate answer: HTTP status, output token ids (empty on error), raw body."""
+
+    status: int
+    output_ids: list[int]
+    body: Any
+    prompt_tokens: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+    @property
+    def error_message(self) -> str:
+        if isinstance(self.body, dict):
+            err = self.body.get("error", self.body)
+            if isinstance(err, dict):
+                return str(err.get("message", err))
+            return str(err)
+        return str(self.body)
+
+
+def _parse_generate(status: int, body: Any) -> GenResult:
+    if status == 200 and isinstance(body, dict) and "output_ids" in body:
+        return GenResult(status, list(body["output_ids"]), body,
+                         body.get("meta_info", {}).get("prompt_tokens"))
+    return GenResult(status, [], body)
+
+
+def generate(url: str, input_ids: Sequence[int], max_new_tokens: int = 16, *,
+             stream: bool = False, timeout: float = 120.0, **extra: Any) -> GenResult:
+    """Greedy /generate by token ids. Streaming answers are reassembled into one result."""
+    payload: dict[str, Any] = {
+        "input_ids": list(input_ids),
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+                            "ignore_eos": True},
+        "stream": stream,
+    }
+    payload.update(extra)
+    if not stream:
+        r = requests.post(url + "/generate", json=payload, timeout=timeout)
+        try:
+            body = r.json()
+        except ValueError:
+            body = r.text
+        return _parse_generate(r.status_code, body)
+    with requests.post(url + "/generate", json=payload, timeout=timeout, stream=True) as r:
+        if r.status_code != 200:
+            try:
+                body = r.json()
+            except ValueError:
+                body = r.text
+            return GenResult(r.status_code, [], body)
+        last: Any = None
+        for line in r.iter_lines():
+            if not line or not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk or chunk.get("object") == "error":
+                return GenResult(400 if "error" in chunk else 500, [], chunk)
+            last = chunk
+        return _parse_generate(200, last) if last else GenResult(200, [], None)
+
+
+def direct_pd_generate(stack: PDStack, input_ids: Sequence[int], max_new_tokens: int = 16,
+                       *, room: int | None = None, timeout: float = 120.0,
+                       **extra: Any) -> tuple[GenResult, GenResult]:
+    """Send one request to prefill and decode directly (what the router does), in parallel."""
+    room = room if room is not None else random.randrange(1 << 62)
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": stack.prefill.bootstrap_port,
+            "bootstrap_room": room}
+    out: dict[str, GenResult] = {}
+
+    def go(key: str, url: str) -> None:
+        out[key] = generate(url, input_ids, max_new_tokens, timeout=timeout, **boot, **extra)
+
+    ts = [threading.Thread(target=go, args=(k, u))
+          for k, u in (("p", stack.prefill.url), ("d", stack.decode.url))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out["p"], out["d"]
+
+
+def new_log_dir(prefix: str = "pdsafe-") -> Path:
+    base = os.environ.get("PDSAFE_LOG_DIR")
+    if base:
+        Path(base).mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    return Path(tempfile.mkdtemp(prefix=prefix))
