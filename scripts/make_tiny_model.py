@@ -16,6 +16,8 @@ Invariants the tests rely on:
 * One decoder layer, so the K/V stored for position ``j`` depend only on (token ``x[j]``, ``j``).
   A request whose KV pages hold another request's KV therefore "sees" the foreign tokens and
   copies them into its output (``foreign_kv_demo`` proves it with HF transformers).
+* Prompts must have >= P tokens (the eval uses > P). Below P the token P back does not exist and
+  the output is arbitrary with near-zero logit margins, i.e. not stable under batching noise.
 * The output is a pure function of the prompt tokens; special tokens (``<pad>`` ``<s>`` ``</s>``
   ``<unk>``, ids 0-3) are never targets, so the model essentially never emits ``</s>`` (eos=2).
 * ``rope_theta`` is 10000 (the Llama default), so a reader that ignores ``rope_parameters`` and
@@ -33,8 +35,8 @@ continuation, with loss only on the continuation; half of each batch draws its t
 small random sub-vocabulary (repeated distractors punish soft attention). The embedding init
 sets dim 0 to the constant ``EMBED_CARRIER`` for every token: Llama has no biases, and this
 "carrier" feature lets q/k learn content-independent positional attention (without it the
-learned attention stayed soft and content dependent, and short prompts failed). About 140 s of
-CPU time (single thread) on the 2-core dev box; ~27 min wall there only under heavy contention.
+learned attention stayed soft and content dependent, and short prompts failed). Cost: ~140 s of
+single-thread CPU time on the 2-core dev box (wall time grows only if other processes share it).
 
 Determinism: data, init and eval draw from seeded ``torch.Generator`` s, training runs with
 ``torch.set_num_threads(2)`` (``--threads``) and ``torch.use_deterministic_algorithms(True)``.
@@ -48,6 +50,7 @@ Usage::
     python scripts/make_tiny_model.py                  # train, save, eval, write MANIFEST.sha256
     python scripts/make_tiny_model.py --check          # load committed checkpoint, eval (< 60 s)
     python scripts/make_tiny_model.py --sha            # (re)write MANIFEST.sha256 only
+    python scripts/make_tiny_model.py --threads 1      # same weights; faster on a busy machine
 """
 
 from __future__ import annotations
@@ -132,10 +135,10 @@ FINAL_LR_FRACTION = 0.05
 WARMUP_STEPS = 50
 GRAD_CLIP = 1.0
 SUBVOCAB_ROWS = 0.5
+"""Fraction of each training batch drawn from a small random sub-vocabulary (see period_batch)."""
 EMBED_CARRIER = 0.25
 """Init value of embedding dim 0 for every token: a constant "carrier" feature from which q/k
 can learn purely positional (content-independent) attention."""
-"""Fraction of each training batch drawn from a small random sub-vocabulary (see period_batch)."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.oracle import Oracle  # noqa: E402
 from harness.servers import (  # noqa: E402
     DEFAULT_MODEL,
+    SHARED_DECODE_POOL,
+    SHARED_PREFILL_POOL,
     PDStack,
     ServerConfig,
     colocated_server,
@@ -27,9 +29,6 @@ from harness.servers import (  # noqa: E402
 
 BACKENDS = ["mooncake", "nixl"]
 MODEL = Path(os.environ.get("PDSAFE_MODEL", str(DEFAULT_MODEL)))
-# Small pools so that pages are reused within a few requests.
-SHARED_DECODE_POOL = 1024
-SHARED_PREFILL_POOL = 1024
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,10 @@ import requests
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "test" / "assets" / "tiny-copy-llama"
+CLAMP_FLAG = "--disaggregation-clamp-context-to-kv-capacity"
+# KV pools of the shared PD stacks: small, so pages are reused within a few requests.
+SHARED_DECODE_POOL = 1024
+SHARED_PREFILL_POOL = 1024
 STARTUP_TIMEOUT_S = float(os.environ.get("PDSAFE_STARTUP_TIMEOUT", "300"))
 
 
@@ -224,6 +228,12 @@ def launch_server(cfg: ServerConfig, log_dir: Path, *, wait: bool = True) -> SGL
             argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
         else:
             argv += ["--disaggregation-decode-retraction-backup", "none"]
+    if (cfg.role in ("prefill", "decode") and not cfg.context_length
+            and "--context-length" not in cfg.extra_args
+            and CLAMP_FLAG not in cfg.extra_args):
+        # PD servers refuse to start with a KV pool smaller than their context length (capacity
+        # invariant); the small test pools opt in to the clamp, as an operator would.
+        argv += [CLAMP_FLAG]
     argv += cfg.extra_args
     name = f"{cfg.role}-{cfg.backend if cfg.role != 'colocated' else 'ref'}-{port}"
     proc = ManagedProcess(name, argv, loopback_env(cfg.env), log_dir / f"{name}.log")
@@ -265,6 +275,11 @@ def launch_router(prefill: SGLangServer, decode: SGLangServer, log_dir: Path) ->
         "--prefill", prefill.url, str(prefill.bootstrap_port),
         "--decode", decode.url,
         "--policy", "round_robin",
+        # Tests judge every answer: no silent re-sends, and no circuit breaker or strict health
+        # timeouts that a loaded 2-core machine trips while the workers are merely slow.
+        "--disable-retries", "--disable-circuit-breaker",
+        "--health-check-timeout-secs", "30", "--health-failure-threshold", "20",
+        "--worker-startup-timeout-secs", "600",
     ]
     proc = ManagedProcess(f"router-{port}", argv, loopback_env(), log_dir / f"router-{port}.log")
     proc.start()
@@ -273,7 +288,7 @@ def launch_router(prefill: SGLangServer, decode: SGLangServer, log_dir: Path) ->
         wait_healthy(proc, router.url, "/health")
         # The router's health answers before it has probed the workers: wait for a
         # real generation to go through.
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while True:
             r = requests.post(router.url + "/generate", json={
                 "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1,

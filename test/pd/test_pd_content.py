@@ -11,9 +11,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import SHARED_DECODE_POOL
 from harness.oracle import Verdict, random_prompt
-from harness.servers import direct_pd_generate, generate
+from harness.servers import SHARED_DECODE_POOL, direct_pd_generate, generate
 
 pytestmark = pytest.mark.server
 
@@ -64,3 +63,25 @@ def test_oracle_sees_injected_foreign_kv(pd, oracle, model_path):
     # The same request without the fault prefix is clean again.
     _, rc = direct_pd_generate(pd, b, MAX_NEW)
     oracle.assert_identical(rc, b, MAX_NEW, what="same prompt, no fault")
+
+
+@pytest.mark.parametrize("backend,page_size", [("mooncake", 64), ("nixl", 16)])
+def test_larger_pages_match_reference(backend, page_size, oracle, model_path, log_dir):
+    """Paged pools (16, 64 tokens a page): partial last pages and page reuse stay exact."""
+    from harness.servers import ServerConfig, pd_stack
+
+    pool = 1024  # 12 requests of up to 150+24 tokens overfill it: pages are reused
+    with pd_stack(
+        backend, log_dir, with_router=False,
+        prefill=ServerConfig(role="prefill", model_path=model_path, page_size=page_size,
+                             max_total_tokens=pool),
+        decode=ServerConfig(role="decode", model_path=model_path, page_size=page_size,
+                            max_total_tokens=pool),
+    ) as stack:
+        rng = random.Random(page_size)
+        prompts = [random_prompt(rng, rng.randint(17, 150), model_path) for _ in range(12)]
+        assert sum(len(p) + MAX_NEW for p in prompts) > pool
+        with ThreadPoolExecutor(4) as ex:
+            results = list(ex.map(lambda p: direct_pd_generate(stack, p, MAX_NEW)[1], prompts))
+        for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
+            oracle.assert_identical(r, p, MAX_NEW, what=f"{backend} page {page_size} req {i}")

@@ -196,6 +196,9 @@ def enforce_kv_capacity(server_args: Any, kv_capacity: int, context_len: int) ->
       both remedies (the server must not start: the two legs of a PD pair would otherwise
       admit different prompts, and a prompt over the KV capacity has no safe outcome).
     * otherwise (co-located): unchanged; upstream's warning follows.
+
+    A decode server whose pool is not larger than ``--num-reserved-decode-tokens`` also refuses
+    to start (its pre-allocation can never fit a request; see ``decode_input_limit``).
     """
     _scheduler_limits["kv_capacity"] = int(kv_capacity)
     effective = int(context_len)
@@ -218,8 +221,49 @@ def enforce_kv_capacity(server_args: Any, kv_capacity: int, context_len: int) ->
                 f"--mem-fraction-static), or pass {CLAMP_FLAG} to lower the effective context "
                 f"length to {kv_capacity} (logged and advertised in /model_info)."
             )
+    if getattr(server_args, "disaggregation_mode", "null") == "decode":
+        reserved = int(getattr(server_args, "num_reserved_decode_tokens", 0) or 0)
+        if kv_capacity <= reserved:
+            # Decode pre-allocates prompt pages + the reserved decode tokens: nothing fits,
+            # not even the startup warmup (upstream waits forever, /health stays 503).
+            raise CapacityInvariantError(
+                f"pdsafe: refusing to start this decode server: its KV pool holds "
+                f"{kv_capacity} tokens, not more than --num-reserved-decode-tokens "
+                f"{reserved}, so no request can ever be pre-allocated. Raise the KV pool "
+                f"(--max-total-tokens / --mem-fraction-static) or lower "
+                f"--num-reserved-decode-tokens."
+            )
     _scheduler_limits["context_len"] = effective
     return effective
+
+
+def decode_input_limit(server_args: Any, kv_capacity: int, max_req_input_len: int,
+                       page_size: int = 1) -> int:
+    """A PD decode server's real ``max_req_input_len``: its pre-allocation must ever fit.
+
+    Decode pre-allocates a request's prompt pages plus ``--num-reserved-decode-tokens``
+    (``DecodePreallocQueue._required_admission_tokens``) and waits until that fits; on an idle
+    server the budget is the whole pool, so a prompt with
+    ``ceil_page(len) + num_reserved_decode_tokens > kv_capacity`` can never be pre-allocated
+    and used to wait forever (decode holds the client, prefill holds its bootstrap). Lowering
+    the limit to ``floor_page(kv_capacity - reserved) + 1`` makes such prompts refused at
+    HTTP (400) and at the scheduler door instead. Other modes: unchanged.
+    """
+    if getattr(server_args, "disaggregation_mode", "null") != "decode":
+        return max_req_input_len
+    reserved = int(getattr(server_args, "num_reserved_decode_tokens", 0) or 0)
+    page = max(1, int(page_size or 1))
+    fits = (kv_capacity - reserved) // page * page  # longest prompt decode can pre-allocate
+    limit = min(max_req_input_len, fits + 1)
+    if limit < max_req_input_len:
+        logger.warning(
+            "decode: prompts are limited to %d tokens (max_req_input_len %d -> %d): "
+            "pre-allocation needs the prompt's pages plus --num-reserved-decode-tokens %d "
+            "in a KV pool of %d tokens. Raise --max-total-tokens or lower "
+            "--num-reserved-decode-tokens to accept longer prompts.",
+            max(limit - 1, 0), max_req_input_len, limit, reserved, kv_capacity,
+        )
+    return max(limit, 1)
 
 
 def scheduler_limits(max_req_input_len: int | None) -> dict[str, Any]:
@@ -259,7 +303,5 @@ def advertised_limits(tokenizer_manager: Any) -> dict[str, Any]:
     limit = getattr(tokenizer_manager, "max_req_input_len", None)
     out["max_req_input_len"] = limit
     out["max_prompt_tokens"] = limit - 1 if limit else None
-    kv = getattr(tokenizer_manager, "pdsafe_kv_capacity", None)
-    if kv is not None:
-        out["kv_capacity_tokens"] = kv
+    out["kv_capacity_tokens"] = getattr(tokenizer_manager, "pdsafe_kv_capacity", None)
     return out

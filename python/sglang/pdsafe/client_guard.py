@@ -22,7 +22,7 @@ What is trusted (server-built requests):
 * in-process callers that pass no HTTP request (``request is None``: ``entrypoints/warmup.py``,
   the offline ``Engine`` API);
 * the requests built by ``/health`` and ``/health_generate`` themselves (GET endpoints that take
-  no request body; identified by path);
+  no request body; identified by path or by their route handler);
 * the PD startup warmup, which reaches the server over its own HTTP port: it carries the
   per-server secret header ``INTERNAL_HEADER`` (``internal_headers()``), generated at startup
   and never sent to clients.
@@ -57,6 +57,7 @@ INTERNAL_HEADER = "x-sglang-pdsafe-internal"
 TOKEN_ENV = "SGLANG_PDSAFE_INTERNAL_TOKEN"
 #: Paths of endpoints that build their generation request in-process (GET, no body).
 SERVER_BUILT_PATHS = frozenset({"/health", "/health_generate"})
+SERVER_BUILT_ENDPOINTS = frozenset({"health_generate"})
 
 # One secret per server: set in the launching process before any tokenizer worker process is
 # spawned, so workers (which inherit the environment) accept the warmup the launcher sends.
@@ -104,11 +105,15 @@ def is_server_built(request: Any) -> bool:
     """True for requests the server built itself (see module doc)."""
     if request is None:
         return True
-    url = getattr(request, "url", None)
-    path = getattr(url, "path", None)
     method = getattr(request, "method", None)
-    if path in SERVER_BUILT_PATHS and method in ("GET", "HEAD"):
-        return True
+    if method in ("GET", "HEAD"):
+        path = getattr(getattr(request, "url", None), "path", None)
+        scope = getattr(request, "scope", None)
+        endpoint = scope.get("endpoint") if isinstance(scope, dict) else None
+        # By path, or by route handler (also behind a --root-path prefix).
+        name = getattr(endpoint, "__name__", "")
+        if path in SERVER_BUILT_PATHS or name in SERVER_BUILT_ENDPOINTS:
+            return True
     headers = getattr(request, "headers", None)
     if headers is not None:
         try:

@@ -37,7 +37,8 @@ Invariants:
 
 * Decode commits a transferred request only if the attestation equals its reservation in
   every field (room, token digest, first token, token count, page count, page size) and the
-  row's crc is valid; otherwise the request is aborted with HTTP 500 naming both sides' counts,
+  row's crc is valid; otherwise the request is aborted with HTTP 500 (``REFUSAL_STATUS``)
+  naming both sides' counts,
   ``coverage_mismatch_total`` (or ``coverage_attestation_invalid_total``) is incremented, it
   never decodes, and its pages are freed by the normal failed-commit path.
 * The pure functions here (``build_*``, ``encode``, ``decode``, ``verify``) never touch torch
@@ -62,6 +63,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 from sglang.pdsafe import metrics
@@ -76,6 +78,12 @@ SLOT_ROOM, SLOT_MAGIC, SLOT_DIGEST, SLOT_FIRST, SLOT_COUNT, SLOT_PAGES, SLOT_PAG
     range(ROW_WIDTH)
 )
 _U64 = (1 << 64) - 1
+
+#: HTTP status of a refused transfer: 500, like upstream's bootstrap-room mismatch (the servers,
+#: not the client, disagree). Operators should know that the SMG PD router retries any 5xx from
+#: decode (5 attempts by default, each re-running prefill) and counts it against both workers'
+#: circuit breakers (10 failures in 120 s open them for 60 s); no 5xx avoids that there.
+REFUSAL_STATUS = HTTPStatus.INTERNAL_SERVER_ERROR
 
 #: ``enforce`` (default): refuse mismatching transfers. ``log``: count and log them but commit
 #: anyway (only for a rolling upgrade from an unpatched prefill; logs a warning at startup).
@@ -115,7 +123,7 @@ register(Protection(
 
 @dataclass(frozen=True)
 class Coverage:
-    """What one side says about a request's transferred range (positions ``[first, first+count)``)."""
+    """One side's account of a request's transferred positions ``[first, first + count)``."""
 
     room: int
     token_digest: int
@@ -322,8 +330,8 @@ def check_commit_hook(transfer_queue: Any, decode_req: Any) -> Verdict:
 def admit(transfer_queue: Any, decode_req: Any) -> bool:
     """Run the coverage check for one finished transfer; abort the request on failure.
 
-    Returns False when the request must not decode (it is then already aborted with HTTP 500
-    through upstream's ``prepare_abort``, like the bootstrap-room mismatch).
+    Returns False when the request must not decode (it is then already aborted with
+    ``REFUSAL_STATUS`` through upstream's ``prepare_abort``, like the bootstrap-room mismatch).
     """
     from sglang.srt.disaggregation.utils import _is_fake_transfer, prepare_abort
 
@@ -338,7 +346,5 @@ def admit(transfer_queue: Any, decode_req: Any) -> bool:
         logger.error("%s [%s=log: committed anyway]", verdict.message, ENV_MODE)
         return True
     logger.error(verdict.message)
-    from http import HTTPStatus
-
-    prepare_abort(req, verdict.message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+    prepare_abort(req, verdict.message, status_code=REFUSAL_STATUS)
     return False

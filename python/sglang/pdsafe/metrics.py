@@ -41,6 +41,9 @@ COUNTERS: dict[str, str] = {
         "Client requests rejected for carrying the server-internal health-check rid prefix.",
     "peer_notified_release_total":
         "Requests whose peer was told to release its reservation after a local rejection.",
+    "peer_release_notify_failed_total":
+        "PD rejections whose peer could not be told to release (prefill rank lookup or control "
+        "send failed); that peer frees only at its own timeout.",
     "placeholder_blocked_total":
         "Aborted requests stopped before a KV sender/receiver was created for them.",
 }

@@ -72,7 +72,7 @@ def on_decode_commit(scheduler: Any, req: Any) -> None:
         logger.warning("TEST FAULT: captured KV of %d positions from %s", len(locs), req.rid)
     elif req.rid.startswith(INJECT_PREFIX) and _snapshot is not None:
         locs = _prompt_locs(scheduler, req, n)
-        for (k, v), i in zip(_snapshot, _layers(pool)):
+        for (k, v), i in zip(_snapshot, _layers(pool), strict=True):
             m = min(len(locs), k.shape[0])
             pool.get_key_buffer(i)[locs[-m:]] = k[-m:]
             pool.get_value_buffer(i)[locs[-m:]] = v[-m:]

@@ -1,0 +1,157 @@
+"""Client bypasses closed (issue #3, item 6): the fake-transfer bootstrap host and the
+health-check rid prefix are server-internal; a client request carrying them is refused with 400
+on every generation endpoint (single and batch, streaming and not), while the server's own PD
+warmup and /health_generate keep working.
+
+Without the guard, a client's ``bootstrap_host: "2.2.2.2"`` sent to a decode server makes it
+skip the KV transfer and decode over pages nobody wrote (HTTP 200 with garbage), and a
+``HEALTH_CHECK`` rid turns off the KV checksum and metrics for that request.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from typing import Any
+
+import pytest
+import requests
+from admission_helpers import error_message, metric_value
+from harness.oracle import random_prompt
+from harness.servers import generate
+from sglang.pdsafe import client_guard
+
+pytestmark = pytest.mark.server
+
+HOST_COUNTER = "sglang:pdsafe_rejected_spoofed_bootstrap_host_total"
+RID_COUNTER = "sglang:pdsafe_rejected_spoofed_rid_total"
+FAKE = "2.2.2.2"
+MAX_NEW = 4
+
+
+def _requests(prompt: list[int], room: int, port: int, *, host: Any = None,
+              rid: Any = None) -> list[tuple[str, dict]]:
+    """The same spoofed request through /generate (single, batch), /v1/completions and
+    /v1/chat/completions, streaming and not."""
+    text = " ".join(f"w{i - 4}" for i in prompt)
+    boot: dict[str, Any] = {"bootstrap_port": port, "bootstrap_room": room}
+    if host is not None:
+        boot["bootstrap_host"] = host
+    extra: dict[str, Any] = {"rid": rid} if rid is not None else {}
+    out: list[tuple[str, dict]] = []
+    for stream in (False, True):
+        out.append(("/generate", {"input_ids": prompt, "stream": stream, **boot, **extra,
+                                  "sampling_params": {"max_new_tokens": MAX_NEW}}))
+        out.append(("/v1/completions", {"model": "default", "prompt": text, "stream": stream,
+                                        "max_tokens": MAX_NEW, **boot, **extra}))
+        out.append(("/v1/chat/completions", {
+            "model": "default", "stream": stream, "max_tokens": MAX_NEW, **boot, **extra,
+            "messages": [{"role": "user", "content": text}]}))
+    # Batch form: the marker in one element of the list is enough.
+    b_boot = {"bootstrap_port": [port, port], "bootstrap_room": [room + 1, room + 2]}
+    if host is not None:
+        b_boot["bootstrap_host"] = ["127.0.0.1", host]
+    b_extra = {"rid": [f"ok-{uuid.uuid4().hex}", rid]} if rid is not None else {}
+    out.append(("/generate", {"input_ids": [prompt, prompt], **b_boot, **b_extra,
+                              "sampling_params": {"max_new_tokens": MAX_NEW}}))
+    return out
+
+
+def _assert_all_refused(url: str, reqs: list[tuple[str, dict]], needle: str) -> int:
+    for path, body in reqs:
+        r = requests.post(url + path, json=body, timeout=60)
+        try:
+            parsed: Any = r.json()
+        except ValueError:
+            parsed = r.text
+        assert r.status_code == 400, (
+            f"{url}{path} (stream={body.get('stream')}) must refuse a client request "
+            f"carrying {needle}: HTTP {r.status_code} {str(parsed)[:300]}")
+        msg = error_message(parsed)
+        assert needle in msg and "refused from clients" in msg, msg
+    return len(reqs)
+
+
+def test_spoofed_bootstrap_host_refused_on_both_pd_sides(pd_case, small_oracle, model_path):
+    st = pd_case.stack
+    rng = random.Random(21)
+    prompt = random_prompt(rng, 40, model_path)
+    n_refused = {}
+    for side in ("decode", "prefill"):
+        url = getattr(st, side).url
+        before = metric_value(url, HOST_COUNTER)
+        n = _assert_all_refused(url, _requests(prompt, rng.randrange(1 << 60),
+                                               st.prefill.bootstrap_port, host=FAKE), repr(FAKE))
+        n_refused[side] = n
+        assert metric_value(url, HOST_COUNTER) - before == n
+        # The server's own health check (which uses the fake host in PD mode) still works.
+        assert requests.get(url + "/health_generate", timeout=60).status_code == 200
+        assert requests.get(url + "/health", timeout=60).status_code == 200
+    # The server's own PD warmup used the fake host over HTTP and was accepted.
+    for side in ("prefill", "decode"):
+        log = getattr(st, side).process.log_text()
+        assert "End of disaggregation warmup" in log and "Disaggregation warmup failed" not in log
+    # Normal traffic is unaffected and reference-identical.
+    small_oracle.assert_identical(generate(st.router.url, prompt, 16), prompt, 16,
+                                  what="after spoof attempts")
+
+
+def test_spoofed_health_check_rid_refused(pd_case, small, small_oracle, model_path):
+    st = pd_case.stack
+    rng = random.Random(22)
+    prompt = random_prompt(rng, 30, model_path)
+    targets = [("co-located", small.url), ("decode", st.decode.url),
+               ("prefill", st.prefill.url)]
+    for what, url in targets:
+        before = metric_value(url, RID_COUNTER)
+        for rid in ("HEALTH_CHECK_0", f"x-HEALTH_CHECK-{uuid.uuid4().hex}"):
+            n = _assert_all_refused(url, _requests(
+                prompt, rng.randrange(1 << 60), st.prefill.bootstrap_port,
+                host="127.0.0.1" if what != "co-located" else None, rid=rid), "HEALTH_CHECK")
+            before += n
+        assert metric_value(url, RID_COUNTER) == before, what
+        assert requests.get(url + "/health_generate", timeout=60).status_code == 200, what
+    # Through the router: the rid reaches the workers, which refuse it.
+    r = requests.post(st.router.url + "/generate", json={
+        "input_ids": prompt, "rid": "HEALTH_CHECK_router",
+        "sampling_params": {"max_new_tokens": MAX_NEW}}, timeout=60)
+    assert r.status_code >= 400 or r.json().get("meta_info", {}).get("id") != \
+        "HEALTH_CHECK_router", r.text[:300]
+    small_oracle.assert_identical(generate(st.router.url, prompt, 16), prompt, 16,
+                                  what="after rid spoof attempts")
+
+
+# --------------------------------------------------------------------------- logic only
+
+
+def test_guard_constants_match_upstream():
+    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    assert client_guard.FAKE_BOOTSTRAP_HOST == FAKE_BOOTSTRAP_HOST
+    assert client_guard.HEALTH_CHECK_RID_PREFIX == HEALTH_CHECK_RID_PREFIX
+
+
+class _Req:
+    def __init__(self, path: str = "/generate", method: str = "POST",
+                 headers: dict | None = None) -> None:
+        self.url = type("U", (), {"path": path})()
+        self.method = method
+        self.headers = headers or {}
+
+
+class _Obj:
+    def __init__(self, host: Any = None, rid: Any = None) -> None:
+        self.bootstrap_host, self.rid = host, rid
+
+
+def test_guard_trusts_only_server_built_requests():
+    spoof = _Obj(host=FAKE, rid="HEALTH_CHECK_1")
+    client_guard.check_client_request(spoof, None)  # in-process (warmup.py, Engine)
+    client_guard.check_client_request(spoof, _Req("/health_generate", "GET"))
+    client_guard.check_client_request(spoof, _Req(headers=client_guard.internal_headers()))
+    for req in (_Req(), _Req("/health_generate", "POST"),
+                _Req(headers={client_guard.INTERNAL_HEADER: "guess"})):
+        with pytest.raises(client_guard.SpoofedInternalFieldError):
+            client_guard.check_client_request(spoof, req)
+    client_guard.check_client_request(_Obj(host=["127.0.0.1", None], rid=["a", None]), _Req())

@@ -1,0 +1,537 @@
+"""Peer released at once (issue #3, item 3; metrics of item 8), on Mooncake and NIXL.
+
+When one side of a PD pair refuses or aborts a request before its KV was sent, the other side
+must hear it through the KV control channel and free what it reserved within about a second
+(not at the 300 s SGLANG_DISAGGREGATION_WAITING_TIMEOUT / _BOOTSTRAP_TIMEOUT), and every client
+gets an explicit error (never a hang, never a 200). Afterwards normal requests, which reuse the
+released pages, still return the co-located reference's tokens.
+
+Two real PD stacks per backend (module scope), each with the PD router in front:
+
+* ``psmall``: prefill KV pool 320 tokens (context 320), decode 2048. Prompts the prefill must
+  refuse and the decode accepts; decode's reserved pages are the thing that must come back.
+* ``dsmall``: prefill 2048, decode pool 1024 (context 1024). Prompts only the decode refuses;
+  the prefill's queued request/sender is the thing that must go.
+
+Where a rejection is decided (explained because the HTTP layer is being tightened in parallel):
+
+* ``len >= context`` is refused by the HTTP layer (TokenizerManager) before the scheduler: the
+  ``on_http_undelivered`` path. ``max_req_input_len <= len < context`` reaches the scheduler
+  door today (``is_unadmitted_reject``); once HTTP admission refuses over-``max_req_input_len``
+  prompts, that case moves to the HTTP path too. Both must release the peer.
+* To keep a test on the scheduler-door path regardless, direct requests send the two sides
+  different payloads: the refusing side gets ``return_logprob`` with ``logprob_start_len`` past
+  the prompt, which the scheduler (not the HTTP layer) refuses at intake and retires at the PD
+  door; the other side gets the plain request.
+* A client abort on the prefill (``/abort_request``) before decode published its metadata
+  exercises ``CommonKVSender.abort()``.
+
+"Reserved" is read from ``/v1/loads`` (decode: ``num_used_tokens`` excludes the evictable radix
+cache, plus the prealloc/transfer queues; prefill: bootstrap/inflight queues, waiting requests,
+``num_used_tokens``). The release bound is generous for a loaded 2-core CPU
+(``PDSAFE_PEER_RELEASE_BOUND_S``, default 2.5 s, target 1 s); upstream holds the pages for the
+300 s timeout (direct) or until the router's dropped connection is noticed (seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from harness.oracle import random_prompt
+from harness.servers import (
+    GenResult,
+    PDStack,
+    ServerConfig,
+    SGLangServer,
+    generate,
+    launch_router,
+    launch_server,
+    wait_healthy,
+)
+
+server = pytest.mark.server
+
+BACKENDS = ["mooncake", "nixl"]
+MAX_NEW = 16
+RELEASE_BOUND_S = float(os.environ.get("PDSAFE_PEER_RELEASE_BOUND_S", "2.5"))
+#: How long a client of the *other* side may wait for its explicit error. Upstream makes it
+#: wait for the 300 s timeout; anything near that is a hang.
+CLIENT_BOUND_S = float(os.environ.get("PDSAFE_PEER_CLIENT_BOUND_S", "15"))
+HTTP_TIMEOUT_S = CLIENT_BOUND_S + 5
+
+PSMALL = {"prefill": (320, 320), "decode": (2048, 2048)}  # (pool tokens, context length)
+DSMALL = {"prefill": (2048, 2048), "decode": (1024, 1024)}
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@dataclass
+class Stacks:
+    backend: str
+    psmall: PDStack
+    dsmall: PDStack
+
+
+def _cfg(role: str, shape: dict[str, tuple[int, int]], model_path: Path) -> ServerConfig:
+    pool, ctx = shape[role]
+    return ServerConfig(role=role, model_path=model_path, max_total_tokens=pool,
+                        context_length=ctx)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def stacks(request: pytest.FixtureRequest, log_dir: Path, model_path: Path,
+           oracle) -> Iterator[Stacks]:
+    """Both PD pairs of one backend, started together (4 servers, then 2 routers).
+
+    Depends on ``oracle`` only so that the co-located reference starts first, alone."""
+    backend = request.param
+    with ExitStack() as es:
+        servers: dict[str, SGLangServer] = {}
+        for name, shape in (("psmall", PSMALL), ("dsmall", DSMALL)):
+            for role in ("prefill", "decode"):
+                cfg = _cfg(role, shape, model_path)
+                cfg.backend = backend
+                s = launch_server(cfg, log_dir, wait=False)
+                es.callback(s.stop)
+                servers[f"{name}-{role}"] = s
+        for s in servers.values():
+            wait_healthy(s.process, s.url)
+        built = {}
+        for name in ("psmall", "dsmall"):
+            p, d = servers[f"{name}-prefill"], servers[f"{name}-decode"]
+            router = launch_router(p, d, log_dir)
+            es.callback(router.stop)
+            built[name] = PDStack(backend, p, d, router)
+        yield Stacks(backend, built["psmall"], built["dsmall"])
+
+
+# --------------------------------------------------------------------------- observables
+
+
+def _load(server: SGLangServer) -> dict[str, Any]:
+    body = requests.get(server.url + "/v1/loads", timeout=10).json()
+    loads = body["loads"] if isinstance(body, dict) else body
+    return loads[0]
+
+
+def reserved(server: SGLangServer) -> dict[str, int]:
+    """What this server holds for requests: used KV tokens and the PD queues."""
+    ld = _load(server)
+    dis = ld.get("disaggregation") or {}
+    out = {"num_used_tokens": int(ld["num_used_tokens"])}
+    if server.config.role == "decode":
+        out["prealloc"] = int(dis.get("decode_prealloc_queue_reqs", 0))
+        out["transfer"] = int(dis.get("decode_transfer_queue_reqs", 0))
+    else:
+        out["bootstrap"] = int(dis.get("prefill_bootstrap_queue_reqs", 0))
+        out["inflight"] = int(dis.get("prefill_inflight_queue_reqs", 0))
+        out["waiting"] = int(ld.get("num_waiting_reqs", 0))
+    return out
+
+
+def finished(server: SGLangServer) -> float:
+    """Requests this server has finished (any outcome, aborts included): ``num_requests_total``."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in server.metrics().splitlines()
+               if line.startswith("sglang:num_requests_total"))
+
+
+def wait_released(server: SGLangServer, baseline: dict[str, int], since: float,
+                  finished_before: float, bound: float = RELEASE_BOUND_S,
+                  what: str = "") -> float:
+    """Poll until ``server`` has finished the peer request (its finished count passed
+    ``finished_before``) and holds no more than ``baseline``; return seconds since ``since``.
+
+    The finished count matters: the refusing side can answer before the peer has even
+    reserved anything, and "at baseline" alone would then pass without any release."""
+    last: dict[str, int] = {}
+    deadline = since + max(bound, 0.0) + 30.0  # keep observing past the bound, for the report
+    while time.monotonic() < deadline:
+        last = reserved(server)
+        if (all(last[k] <= baseline.get(k, 0) for k in last)
+                and finished(server) > finished_before):
+            elapsed = time.monotonic() - since
+            assert elapsed <= bound, (
+                f"{what}: the peer ({server.config.role}) released its reservation only after "
+                f"{elapsed:.2f}s (bound {bound}s, target 1s); it was not told promptly")
+            return elapsed
+        time.sleep(0.05)
+    raise AssertionError(
+        f"{what}: the peer ({server.config.role}) still holds {last} (baseline {baseline}) "
+        f"or has not finished the request ({finished(server)} <= {finished_before}) "
+        f"{time.monotonic() - since:.1f}s after the rejection: it was never told "
+        "(upstream waits for SGLANG_DISAGGREGATION_WAITING_TIMEOUT/_BOOTSTRAP_TIMEOUT, 300 s)")
+
+
+def assert_idle(server: SGLangServer) -> dict[str, int]:
+    """The server holds nothing right now (allowing a moment for a previous test to settle)."""
+    deadline = time.monotonic() + 10
+    while True:
+        r = reserved(server)
+        if not any(r.values()) or time.monotonic() > deadline:
+            assert not any(r.values()), f"{server.config.role} not idle before the test: {r}"
+            return r
+        time.sleep(0.1)
+
+
+def counter(server: SGLangServer, name: str) -> float:
+    """Sum of a ``sglang:pdsafe_*`` counter on ``server``'s /metrics (0 when absent)."""
+    total = 0.0
+    for line in server.metrics().splitlines():
+        if line.startswith(f"sglang:pdsafe_{name}") and not line.startswith("#"):
+            key = line.split("{", 1)[0].split(" ", 1)[0]
+            if key in (f"sglang:pdsafe_{name}", f"sglang:pdsafe_{name}_total"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def max_req_input_len(server: SGLangServer) -> int:
+    """The scheduler's prompt limit: prompts of this length or longer are refused."""
+    pool, ctx = server.config.max_total_tokens, server.config.context_length
+    return min(ctx - 1, pool - 1) - 5
+
+
+def _stream_abort_message(r: GenResult) -> str:
+    """The message of a stream that ended in an abort with no tokens ("" otherwise)."""
+    if r.status != 200 or r.output_ids or not isinstance(r.body, dict):
+        return ""
+    reason = (r.body.get("meta_info") or {}).get("finish_reason") or {}
+    return str(reason.get("message") or "") if reason.get("type") == "abort" else ""
+
+
+def assert_explicit_error(r: GenResult | BaseException, what: str,
+                          statuses: tuple[int, ...] = (400, 500, 503),
+                          stream: bool = False) -> str:
+    """``r`` is an explicit error: an error status with a message and no tokens, or (streaming,
+    once the 200 header is out) a stream that ends in an abort with a message and no tokens."""
+    if isinstance(r, BaseException):
+        raise AssertionError(f"{what}: no answer ({type(r).__name__}: {r}); the client hung "
+                             "instead of getting an explicit error") from r
+    if stream and _stream_abort_message(r):
+        return _stream_abort_message(r)
+    assert r.status in statuses and r.error_message and not r.output_ids, (
+        f"{what}: expected an explicit error ({statuses}), got HTTP {r.status}: "
+        f"{str(r.body)[:300]}")
+    return r.error_message
+
+
+# --------------------------------------------------------------------------- clients
+
+
+def _boot(stack: PDStack, room: int) -> dict[str, Any]:
+    return {"bootstrap_host": "127.0.0.1", "bootstrap_port": stack.prefill.bootstrap_port,
+            "bootstrap_room": room}
+
+
+def _timed(url: str, ids: list[int], **extra: Any) -> tuple[GenResult | BaseException, float]:
+    try:
+        r: GenResult | BaseException = generate(url, ids, MAX_NEW, timeout=HTTP_TIMEOUT_S,
+                                                **extra)
+    except requests.RequestException as e:
+        r = e
+    return r, time.monotonic()  # monotonic time the answer arrived
+
+
+def split_pd(stack: PDStack, prefill: tuple[list[int], dict[str, Any]],
+             decode: tuple[list[int], dict[str, Any]], *, room: int | None = None,
+             watch: SGLangServer, baseline: dict[str, int], refusing: str, what: str,
+             ) -> tuple[GenResult | BaseException, GenResult | BaseException, float]:
+    """Send prefill and decode their (possibly different) requests for one room, in parallel.
+
+    ``refusing`` names the side expected to refuse: once its answer arrives, ``watch`` (the
+    other side) must be back to ``baseline`` within the bound. Returns both answers and the
+    release time.
+    """
+    room = room if room is not None else random.randrange(1 << 62)
+    out: dict[str, tuple[GenResult | BaseException, float]] = {}
+    fin0 = finished(watch)
+
+    def go(side: str, url: str, ids: list[int], extra: dict[str, Any]) -> None:
+        out[side] = _timed(url, ids, **_boot(stack, room), **extra)
+
+    ts = [threading.Thread(target=go, args=("prefill", stack.prefill.url, *prefill)),
+          threading.Thread(target=go, args=("decode", stack.decode.url, *decode))]
+    for t in ts:
+        t.start()
+    deadline = time.monotonic() + HTTP_TIMEOUT_S
+    while refusing not in out and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert refusing in out, f"{what}: the refusing side ({refusing}) never answered"
+    released = wait_released(watch, baseline, out[refusing][1], fin0, what=what)
+    for t in ts:
+        t.join()
+    return out["prefill"][0], out["decode"][0], released
+
+
+def check_normal_traffic(stack: PDStack, oracle, model_path: Path, seed: int,
+                         max_len: int) -> None:
+    """Requests that reuse the released pages still match the co-located reference."""
+    rng = random.Random(seed)
+    prompts = [random_prompt(rng, rng.randint(17, max_len), model_path) for _ in range(4)]
+    with ThreadPoolExecutor(4) as ex:
+        results = list(ex.map(lambda p: generate(stack.router.url, p, MAX_NEW, timeout=120),
+                              prompts))
+    for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
+        oracle.assert_identical(r, p, MAX_NEW, what=f"{stack.backend} after release, #{i}")
+    p = prompts[0]
+    room = random.randrange(1 << 62)
+    res: dict[str, GenResult] = {}
+    ts = [threading.Thread(target=lambda k=k, u=u: res.__setitem__(
+        k, generate(u, p, MAX_NEW, timeout=120, **_boot(stack, room))))
+        for k, u in (("p", stack.prefill.url), ("d", stack.decode.url))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    oracle.assert_identical(res["d"], p, MAX_NEW, what=f"{stack.backend} direct after release")
+
+
+#: Refused by the scheduler at intake (not by the HTTP layer), then retired at the PD door.
+DOOR_REJECT = {"return_logprob": True, "logprob_start_len": 1_000_000}
+
+
+# --------------------------------------------------------------------------- prefill refuses
+
+
+@server
+def test_prefill_refusal_through_router_frees_decode(stacks, model_path):
+    """Prompts only the prefill refuses: the client gets a 4xx at once, decode frees its pages."""
+    st = stacks.psmall
+    base = assert_idle(st.decode)
+    limit = max_req_input_len(st.prefill)
+    before = counter(st.prefill, "peer_notified_release")
+    rng = random.Random(11)
+    # limit: scheduler door today (HTTP layer once admission checks max_req_input_len);
+    # 400 >= context 320: HTTP layer. Streaming too.
+    for n, stream in ((limit, False), (400, False), (limit + 1, True)):
+        ids = random_prompt(rng, n, model_path)
+        what = f"{st.backend} prefill refuses {n} tokens via router (stream={stream})"
+        fin0 = finished(st.decode)
+        r, t_answer = _timed(st.router.url, ids, stream=stream)
+        # Streaming: the router forwards decode's stream (200 already sent) even though the
+        # prefill refused; decode must then end it at once with an abort naming the cause.
+        message = assert_explicit_error(r, what, statuses=(400,), stream=stream)
+        assert str(n) in message, f"{what}: the message should name the length: {r.body}"
+        released = wait_released(st.decode, base, t_answer, fin0, what=what)
+        print(f"{what}: decode released {released:.3f}s after the client's 400")
+    assert counter(st.prefill, "peer_notified_release") >= before + 3
+
+
+@server
+def test_prefill_refusal_direct_frees_decode(stacks, model_path):
+    """Direct to both sides: the decode client gets an explicit error, not a 300 s hang."""
+    st = stacks.psmall
+    base = assert_idle(st.decode)
+    rng = random.Random(12)
+    cases = [
+        ("over capacity (same prompt to both)", random_prompt(rng, 400, model_path), {}),
+        ("scheduler-door refusal (prefill gets logprob_start_len past the prompt)",
+         random_prompt(rng, 64, model_path), DOOR_REJECT),
+    ]
+    for label, ids, pextra in cases:
+        what = f"{st.backend} prefill refuses, direct: {label}"
+        p, d, released = split_pd(st, (ids, pextra), (ids, {}), watch=st.decode, baseline=base,
+                                  refusing="prefill", what=what)
+        assert_explicit_error(p, f"{what} (prefill client)", statuses=(400,))
+        assert_explicit_error(d, f"{what} (decode client)")
+        assert "pdsafe" in d.error_message or "refused" in d.error_message, d.body
+        print(f"{what}: decode released {released:.3f}s after prefill's refusal")
+
+
+@server
+def test_prefill_client_abort_before_decode_metadata(stacks, model_path):
+    """A prefill request aborted while it waits for decode's metadata: when decode then
+    reserves pages and publishes metadata, prefill answers Failed and decode frees them."""
+    st = stacks.psmall
+    base = assert_idle(st.decode)
+    ids = random_prompt(random.Random(13), 100, model_path)
+    room, rid = random.randrange(1 << 62), f"peer-release-abort-{uuid.uuid4().hex}"
+    holder: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: holder.__setitem__(
+        "p", _timed(st.prefill.url, ids, rid=rid, **_boot(st, room))))
+    t.start()
+    deadline = time.monotonic() + 20
+    while reserved(st.prefill)["bootstrap"] == 0:  # waiting for decode's metadata
+        assert time.monotonic() < deadline, "prefill request never queued for bootstrap"
+        time.sleep(0.05)
+    requests.post(st.prefill.url + "/abort_request", json={"rid": rid}, timeout=10)
+    t.join(HTTP_TIMEOUT_S)
+    assert_explicit_error(holder["p"][0], f"{st.backend} aborted prefill request",
+                          statuses=(400, 500, 503, 499))
+    what = f"{st.backend} decode request for a room prefill aborted"
+    fin0 = finished(st.decode)
+    r, t_answer = _timed(st.decode.url, ids, **_boot(st, room))
+    assert_explicit_error(r, what)
+    released = wait_released(st.decode, base, t_answer, fin0, what=what)
+    print(f"{what}: answered with an error, decode released {released:.3f}s later")
+
+
+@server
+def test_normal_traffic_after_prefill_refusals(stacks, oracle, model_path):
+    check_normal_traffic(stacks.psmall, oracle, model_path, seed=14, max_len=250)
+
+
+# --------------------------------------------------------------------------- decode refuses
+
+
+@server
+def test_decode_refusal_through_router_frees_prefill(stacks, model_path):
+    """Prompts only the decode refuses: the client gets a 4xx, the prefill drops its request."""
+    st = stacks.dsmall
+    base = assert_idle(st.prefill)
+    limit = max_req_input_len(st.decode)
+    before = counter(st.decode, "peer_notified_release")
+    rng = random.Random(21)
+    for n in (limit, 1100):  # door today / HTTP layer (>= context 1024)
+        ids = random_prompt(rng, n, model_path)
+        what = f"{st.backend} decode refuses {n} tokens via router"
+        fin0 = finished(st.prefill)
+        r, t_answer = _timed(st.router.url, ids)
+        assert_explicit_error(r, what, statuses=(400,))
+        released = wait_released(st.prefill, base, t_answer, fin0, what=what)
+        print(f"{what}: prefill released {released:.3f}s after the client's 400")
+    assert counter(st.decode, "peer_notified_release") >= before + 2
+
+
+@server
+def test_decode_refusal_direct_frees_prefill(stacks, model_path):
+    """Direct to both sides: the prefill client gets an explicit error at once."""
+    st = stacks.dsmall
+    base = assert_idle(st.prefill)
+    rng = random.Random(22)
+    cases = [
+        ("over capacity (same prompt to both)", random_prompt(rng, 1100, model_path), {}),
+        ("scheduler-door refusal (decode gets logprob_start_len past the prompt)",
+         random_prompt(rng, 64, model_path), DOOR_REJECT),
+    ]
+    for label, ids, dextra in cases:
+        what = f"{st.backend} decode refuses, direct: {label}"
+        p, d, released = split_pd(st, (ids, {}), (ids, dextra), watch=st.prefill,
+                                  baseline=base, refusing="decode", what=what)
+        assert_explicit_error(d, f"{what} (decode client)", statuses=(400,))
+        assert_explicit_error(p, f"{what} (prefill client)")
+        print(f"{what}: prefill released {released:.3f}s after decode's refusal")
+
+
+@server
+def test_normal_traffic_after_decode_refusals(stacks, oracle, model_path):
+    check_normal_traffic(stacks.dsmall, oracle, model_path, seed=23, max_len=250)
+
+
+# --------------------------------------------------------------------------- every backend
+
+
+def _stub_mori() -> dict[str, Any]:
+    """Import stand-ins for the ``mori`` package (ROCm/RDMA only), enough to import its conn."""
+    import sys
+    import types
+    from unittest import mock
+
+    saved = {k: sys.modules.get(k) for k in ("mori", "mori.cpp", "mori.io")}
+    root = types.ModuleType("mori")
+    for sub in ("cpp", "io"):
+        m = mock.MagicMock(name=f"mori.{sub}")
+        setattr(root, sub, m)
+        sys.modules[f"mori.{sub}"] = m
+    sys.modules["mori"] = root
+    return saved
+
+
+def _backend_managers() -> dict[str, type]:
+    import sys
+
+    from sglang.srt.disaggregation.ascend.conn import AscendKVManager
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+
+    saved = _stub_mori()
+    try:
+        from sglang.srt.disaggregation.mori.conn import MoriKVManager
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    return {"mooncake": MooncakeKVManager, "nixl": NixlKVManager, "mori": MoriKVManager,
+            "ascend": AscendKVManager}
+
+
+def _prefill_manager(cls: type) -> tuple[Any, list[tuple[str, list[bytes]]]]:
+    """A prefill-side manager of ``cls`` with just the state its control thread touches; the
+    control socket is replaced by a recorder."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    m = object.__new__(cls)
+    m.disaggregation_mode = DisaggregationMode.PREFILL
+    m.request_status, m.transfer_infos, m.req_to_decode_prefix_len = {}, {}, {}
+    m.failure_lock, m.failure_records = threading.Lock(), {}
+    m.enable_deferred_decode_kv_release = False
+    m.attn_tp_rank = m.pp_rank = m.attn_cp_rank = 0
+    m.pp_size = m.attn_cp_size = 1
+    m.transfer_lock, m._abort_ack_lock = threading.Lock(), threading.Lock()
+    m._deferred_ack_targets, m._deferred_ack_poisoned_rooms = {}, set()
+    m._staging_outstanding = {}
+    sent: list[tuple[str, list[bytes]]] = []
+    m._send_multipart_locked = lambda ep, parts, is_ipv6=False: sent.append((ep, list(parts)))
+    return m, sent
+
+
+def _abort_handler(m: Any):
+    return getattr(m, "_handle_abort_message", None) or m._handle_abort_notification
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl", "mori", "ascend"])
+def test_every_backend_answers_refused_rooms_through_the_common_layer(backend):
+    """No servers: each backend's real prefill ABORT handler and status path, driven with the
+    frames peer release sends. MORI and Ascend cannot run here (ROCm/Ascend hardware), so this
+    is their check that the same common-layer logic runs for them.
+
+    Room A: decode's metadata is there (no sender); a refusal notice from the prefill's own HTTP
+    layer must answer decode Failed with the reason, drop the metadata and the status entry.
+    Room B: the refusal arrives first; decode's metadata arriving later must be answered at once
+    and never recorded as bootstrapped.
+    """
+    from types import SimpleNamespace
+
+    from sglang.pdsafe import metrics, peer_release
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    m, sent = _prefill_manager(_backend_managers()[backend])
+    handler = _abort_handler(m)
+    info = SimpleNamespace(endpoint="127.0.0.1", dst_port=4321, is_dummy=False)
+    before = metrics.value("peer_notified_release_total")
+
+    room_a = random.randrange(1 << 62)
+    m.transfer_infos[room_a] = {"decode-0": info}
+    m.request_status[room_a] = KVPoll.WaitingForInput  # what the metadata alone leaves behind
+    reason = "ValueError: The input (400 tokens) is longer than the context length (320)"
+    handler([b"ABORT", str(room_a).encode(), peer_release._wire(peer_release.ORIGIN_HTTP, reason)])
+    assert len(sent) == 1, f"{backend}: decode was not answered: {sent}"
+    endpoint, parts = sent[0]
+    assert endpoint == "tcp://127.0.0.1:4321"
+    parsed = m.parse_kv_status_message(parts)  # what decode's control thread will read
+    assert parsed is not None and parsed[0] == room_a and parsed[1] == int(KVPoll.Failed)
+    assert parsed[3] and "400 tokens" in parsed[3], parsed
+    assert room_a not in m.transfer_infos and room_a not in m.request_status
+
+    room_b = random.randrange(1 << 62)
+    handler([b"ABORT", str(room_b).encode(), peer_release._wire(peer_release.ORIGIN_HTTP, reason)])
+    assert len(sent) == 1, "nothing to answer before decode's metadata arrives"
+    m.transfer_infos[room_b] = {"decode-0": info}
+    m.update_status(room_b, KVPoll.WaitingForInput)  # the backend's "metadata complete" call
+    assert len(sent) == 2 and m.parse_kv_status_message(sent[1][1])[1] == int(KVPoll.Failed)
+    assert room_b not in m.request_status, "a refused room must never look bootstrapped"
+    assert metrics.value("peer_notified_release_total") >= before + 2
