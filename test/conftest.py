@@ -71,3 +71,24 @@ def pd(request: pytest.FixtureRequest, log_dir: Path, model_path: Path) -> Itera
                             env={"SGLANG_PDSAFE_TEST_FAULTS": "foreign_kv:16"}),
     ) as stack:
         yield stack
+
+
+# Test modules of issue #3 that were written and run by their authors against their own patch
+# trees, but not yet run against the integrated series in this stage (see the closing note).
+# They are marked `pending_validation`; scripts/run-tests.sh deselects that marker unless
+# PDSAFE_ALL_TESTS=1, so CI stays an honest record of what has been verified together.
+PENDING_VALIDATION = {
+    "test/admission/test_http_admission.py",
+    "test/admission/test_client_guard.py",
+    "test/admission/test_startup_capacity.py",
+    "test/pd/test_divergence.py",
+    "test/pd/test_peer_release.py",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(__file__).resolve().parent.parent
+    for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(root).as_posix()
+        if rel in PENDING_VALIDATION:
+            item.add_marker(pytest.mark.pending_validation)

@@ -111,12 +111,11 @@ def test_spoofed_health_check_rid_refused(pd_case, small, small_oracle, model_pa
             before += n
         assert metric_value(url, RID_COUNTER) == before, what
         assert requests.get(url + "/health_generate", timeout=60).status_code == 200, what
-    # Through the router: the rid reaches the workers, which refuse it.
+    # Through the router: it forwards the rid to both workers, which refuse it.
     r = requests.post(st.router.url + "/generate", json={
         "input_ids": prompt, "rid": "HEALTH_CHECK_router",
         "sampling_params": {"max_new_tokens": MAX_NEW}}, timeout=60)
-    assert r.status_code >= 400 or r.json().get("meta_info", {}).get("id") != \
-        "HEALTH_CHECK_router", r.text[:300]
+    assert 400 <= r.status_code < 500 and "HEALTH_CHECK" in r.text, r.text[:300]
     small_oracle.assert_identical(generate(st.router.url, prompt, 16), prompt, 16,
                                   what="after rid spoof attempts")
 

@@ -33,8 +33,11 @@ def refused(log_dir: Path, model_path: Path) -> Iterator[dict[str, SGLangServer]
     """A prefill and a decode server with a 256-token pool and the model's 4096 context,
     started together (the invariant is checked per server, no peer is needed)."""
     servers = {
+        # An explicit --context-length (the model's own) keeps the harness from adding the
+        # clamp flag that it passes to PD servers with small pools by default.
         role: launch_server(ServerConfig(role=role, model_path=model_path,
-                                         max_total_tokens=POOL), log_dir, wait=False)
+                                         max_total_tokens=POOL, context_length=CONTEXT),
+                            log_dir, wait=False)
         for role in ("prefill", "decode")
     }
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,15 +162,24 @@ def refusal(r: GenResult) -> tuple[int, str] | None:
     return stream_abort(r)
 
 
-def assert_refused(r: GenResult, what: str, *counts: int) -> None:
-    """An explicit server error naming the coverage mismatch and both token counts."""
+_COUNTS = re.compile(r"prefill wrote tokens \[\d+, \d+\) = (\d+) tokens.*decode reserved "
+                     r"tokens \[\d+, \d+\) = (\d+) tokens")
+
+
+def assert_refused(r: GenResult, what: str, prefill_limit: int, decode_tokens: int) -> None:
+    """An explicit 5xx naming the coverage mismatch and both sides' token counts: decode's
+    full prompt, prefill's truncation of it (at most its own limit)."""
     ref = refusal(r)
     assert ref is not None and ref[0] >= 500 and not r.output_ids, (
         f"{what}: expected a 5xx, got {r.status} {r.output_ids}")
     msg = ref[1]
-    assert "coverage mismatch" in msg, f"{what}: unexpected error message: {msg}"
-    for n in counts:
-        assert f"{n} tokens" in msg, f"{what}: message does not name {n} tokens: {msg}"
+    m = _COUNTS.search(msg)
+    assert "coverage mismatch" in msg and m, f"{what}: unexpected error message: {msg}"
+    wrote, reserved = int(m.group(1)), int(m.group(2))
+    assert reserved == decode_tokens and wrote <= prefill_limit < decode_tokens, (
+        f"{what}: counts in the message ({wrote} written, {reserved} reserved) do not match "
+        f"the configuration (prefill limit {prefill_limit}, prompt {decode_tokens}): {msg}")
+    assert "--allow-auto-truncate" in msg and "--context-length" in msg, msg
 
 
 def check_normal_traffic(url_or_stack: Any, oracle: Oracle, model_path: Path, limit: int,

@@ -42,12 +42,14 @@ Off switch (default on): ``SGLANG_PDSAFE_PEER_RELEASE=0`` (logged as a warning a
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +107,27 @@ def _count_notified(t0_monotonic: float | None = None, t0_wall: float | None = N
         metrics.observe("peer_release_latency_seconds", max(0.0, time.monotonic() - t0_monotonic))
     elif t0_wall is not None:
         metrics.observe("peer_release_latency_seconds", max(0.0, time.time() - t0_wall))
+
+
+def _hook(default: Any = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Hooks run inside upstream's scheduler, control threads and exception handlers: a bug
+    here must never take those down or replace the error being handled. It is logged and
+    counted instead, and the caller gets ``default`` (upstream's behaviour)."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001
+                metrics.inc("peer_release_notify_failed_total")
+                logger.exception("pdsafe peer release: %s failed (%s); the peer falls back to "
+                                 "its timeout", fn.__name__, e)
+                return default
+
+        return inner
+
+    return wrap
 
 
 def _notify_failed(what: str, err: Any) -> None:
@@ -272,6 +295,7 @@ def _answer_decode(kv_mgr: Any, room: int, rec: _Room) -> bool:
     return True
 
 
+@_hook(None)
 def prefill_rejected(kv_mgr: Any, room: int | None, reason: str, origin: str = ORIGIN_LOCAL,
                      t0_wall: float | None = None) -> None:
     """This prefill will not serve ``room``: answer decode's metadata with Failed (now or later).
@@ -288,6 +312,7 @@ def prefill_rejected(kv_mgr: Any, room: int | None, reason: str, origin: str = O
     _answer_decode(kv_mgr, int(room), rec)
 
 
+@_hook(False)
 def on_metadata_complete(kv_mgr: Any, room: int) -> bool:
     """Decode's metadata for ``room`` is complete (``update_status(room, WaitingForInput)``).
 
@@ -305,6 +330,7 @@ def on_metadata_complete(kv_mgr: Any, room: int) -> bool:
         return room not in reg.live
 
 
+@_hook(None)
 def on_sender_created(sender: Any) -> None:
     """A sender was opened for a room: fail it at once if the room was refused or aborted."""
     kv_mgr = sender.kv_mgr
@@ -324,6 +350,7 @@ def on_sender_created(sender: Any) -> None:
                 "it now (%s)", room, rec.reason)
 
 
+@_hook(None)
 def on_sender_cleared(sender: Any) -> None:
     if not _is_prefill(sender.kv_mgr):
         return
@@ -332,6 +359,7 @@ def on_sender_cleared(sender: Any) -> None:
         reg.live.discard(sender.bootstrap_room)
 
 
+@_hook(None)
 def on_sender_aborted(sender: Any, reason: str = "aborted on the prefill server") -> None:
     """``CommonKVSender.abort()``, before upstream marks the room Failed: the prefill gave the
     room up. Nothing to tell when its transfer already succeeded."""
@@ -340,6 +368,7 @@ def on_sender_aborted(sender: Any, reason: str = "aborted on the prefill server"
     prefill_rejected(sender.kv_mgr, sender.bootstrap_room, reason)
 
 
+@_hook(None)
 def on_abort_message(kv_mgr: Any, msg: list[bytes]) -> None:
     """Prefill control thread, on an ABORT frame, before the backend handles it.
 
@@ -548,6 +577,7 @@ def _bootstrap_addr(host: str, port: int | str) -> str:
     return NetworkAddress(host, int(port)).to_host_port_str()
 
 
+@_hook(False)
 def notify_prefill(bootstrap_host: str | None, bootstrap_port: int | None,
                    room: int | None, reason: str, *, dp_rank: int | None = None,
                    origin: str = ORIGIN_PEER) -> bool:
@@ -580,6 +610,7 @@ def _finish_message(req: Any) -> str:
     return "refused"
 
 
+@_hook(None)
 def decode_rejected(req: Any, reason: str | None = None) -> None:
     """A decode door refused ``req`` (no receiver exists): tell its prefill to drop the room."""
     notify_prefill(getattr(req, "bootstrap_host", None), getattr(req, "bootstrap_port", None),
@@ -588,6 +619,7 @@ def decode_rejected(req: Any, reason: str | None = None) -> None:
                    dp_rank=getattr(req, "disagg_prefill_dp_rank", None))
 
 
+@_hook(None)
 def prefill_door_rejected(kv_mgr: Any, req: Any, reason: str | None = None) -> None:
     """A prefill door refused ``req`` before a sender existed."""
     if getattr(req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST:
@@ -596,6 +628,7 @@ def prefill_door_rejected(kv_mgr: Any, req: Any, reason: str | None = None) -> N
                      reason or _finish_message(req))
 
 
+@_hook(None)
 def on_receiver_aborted(receiver: Any) -> None:
     """``CommonKVReceiver.abort()``: if upstream could not send ABORT (the prefill ranks were
     not known yet), send our bare ABORT so the prefill drops the room's sender."""
@@ -615,6 +648,7 @@ def on_receiver_aborted(receiver: Any) -> None:
         receiver.abort_notified = True
 
 
+@_hook(None)
 def on_http_undelivered(obj: Any, error: BaseException | None) -> None:
     """A PD request refused before it reached this server's scheduler (HTTP layer).
 
