@@ -83,6 +83,7 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -106,6 +107,7 @@ __all__ = [
     "fill_stale_pages",
     "free_port",
     "loopback_env",
+    "request_token_ids",
     "write_stub_model_config",
 ]
 
@@ -209,6 +211,13 @@ _MIX_C = (
     _U64(0x165667B19E3779F9),
     _U64(0xD6E8FEB86659FD93),
 )
+
+
+def request_token_ids(room: int, num_tokens: int) -> list[int]:
+    """The prompt of the request in ``room`` as both sides hold it (prefill a prefix of it when
+    it prefills fewer tokens). Feeds the coverage attestation the scheduler hooks compute."""
+    rng = random.Random(room)
+    return [rng.randrange(4, 512) for _ in range(num_tokens)]
 
 
 def _mix64(tag: np.ndarray, owner: np.ndarray, pos: np.ndarray, word: np.ndarray) -> np.ndarray:
@@ -548,6 +557,10 @@ class TransferResult:
     aux_room: int | None
     decode_abort_ack_at: float | None
     verdicts: tuple[PageVerdict, ...]
+    #: sglang-pdsafe's commit gate on decode's metadata row (``sglang.pdsafe.coverage``):
+    #: ``ok``, ``mismatch``, ``missing`` or ``corrupt``; and its refusal message.
+    gate: str = "missing"
+    gate_message: str = ""
 
     @property
     def decode_state(self) -> str:
@@ -569,6 +582,11 @@ class TransferResult:
     def committed(self) -> bool:
         """Stock decode would commit: Success and the aux room matches."""
         return self.decode.state == "Success" and self.aux_room == self.room
+
+    @property
+    def gate_commits(self) -> bool:
+        """sglang-pdsafe decode commits: Success and the coverage attestation matches."""
+        return self.decode.state == "Success" and self.gate == "ok"
 
     def _after_abort(self, t: float | None) -> float | None:
         if t is None or self.abort_at is None:
@@ -986,6 +1004,16 @@ class _PrefillLane(_Lane):
                 idx = plan.aux_index
                 self.metadata.output_ids[idx][0] = room % 32000
                 self.metadata.bootstrap_room[idx, 0] = room
+                # What the patched scheduler does after set_buf (patch 0014): attest exactly
+                # the positions [0, end) this prefill wrote.
+                from sglang.pdsafe import coverage
+
+                coverage.attest_prefill_hook(
+                    self.metadata,
+                    SimpleNamespace(bootstrap_room=room, metadata_buffer_index=idx,
+                                    origin_input_ids=request_token_ids(room, end),
+                                    disagg_decode_prefix_len=0),
+                    end, ps)
             page_indices = np.asarray(plan.pages[start // ps : -(-end // ps)], dtype=np.int64)
             # The scheduler passes state_indices=[] on the last chunk (no state types here).
             plan.sender.send(page_indices, [] if last else None, num_kv_tokens=end - start)
@@ -1125,6 +1153,17 @@ class _DecodeLane(_Lane):
             num_tokens=num_tokens,
         )
         aux_room = int(self.metadata.bootstrap_room[st.aux_index, 0].item())
+        # The patched scheduler's decode side (patches 0004 + 0014): the reservation noted
+        # when the page indices went out, checked by the commit gate before commit.
+        from sglang.pdsafe import coverage
+
+        decode_req = SimpleNamespace(
+            req=SimpleNamespace(rid=f"kv-harness-{room}", bootstrap_room=room, output_ids=[],
+                                origin_input_ids=request_token_ids(room, num_tokens)),
+            metadata_buffer_index=st.aux_index)
+        coverage.note_reservation_hook(object(), decode_req, st.pages, self.page_size, 0)
+        gate = coverage.check_commit_hook(SimpleNamespace(metadata_buffers=self.metadata),
+                                          decode_req)
         state = int(receiver.poll())
         reason = self._failure_reason(room)
         if state == _SUCCESS:
@@ -1143,6 +1182,8 @@ class _DecodeLane(_Lane):
             "state": KVPOLL_NAMES[state],
             "failure_reason": reason,
             "aux_room": aux_room,
+            "gate": gate.outcome.value,
+            "gate_message": gate.message,
             "verdicts": verdicts,
         }
 
@@ -1645,6 +1686,8 @@ class KVLane:
             aux_room=d_fin["aux_room"],
             decode_abort_ack_at=ack_at,
             verdicts=tuple(d_fin["verdicts"]),
+            gate=d_fin["gate"],
+            gate_message=d_fin["gate_message"],
         )
 
     def _run(

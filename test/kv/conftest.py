@@ -38,7 +38,7 @@ def _needed_backends(session: pytest.Session) -> list[str]:
     return [b for b in BACKENDS if b in needed]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # torn down after test/kv: its children poll busily
 def kv_pairs(request: pytest.FixtureRequest) -> Iterator[dict[str, KVPair]]:
     """Launched (not yet ready) pairs, one per backend the session's tests use."""
     pairs: dict[str, KVPair] = {}

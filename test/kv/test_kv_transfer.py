@@ -9,10 +9,13 @@ Invariants checked here:
 * a complete transfer puts this room's data, at the right position, into every reserved decode
   page, for every layer's K and V, and decode commits it (Success, aux room matches);
 * page reuse never lets another room's data survive in a page a complete transfer covered;
-* a coverage gap (prefill sends fewer tokens than decode reserved) leaves the tail unwritten,
-  and decode must then not report Success (xfail on stock 0.5.23: issue #3);
-* aborts reach the other side: a decode abort fails prefill within a bound (measured); a
-  prefill abort should fail decode too (xfail on stock 0.5.23: the peer is never told).
+* a coverage gap (prefill sends fewer tokens than decode reserved) leaves the tail unwritten;
+  the transport still reports Success (stock 0.5.23, characterised in (3a)), so decode must not
+  commit it: sglang-pdsafe's commit gate refuses it from prefill's coverage attestation, which
+  the harness runs exactly where the patched scheduler does (patches 0004, 0014);
+* aborts reach the other side: a decode abort fails prefill within a bound (measured), and a
+  prefill abort fails decode within ``PEER_OBSERVE_S`` (patch 0015; stock 0.5.23 never tells
+  the peer, which then holds its pages for the 300 s waiting timeout).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ def _assert_all_own(r: TransferResult) -> None:
     """Committed, and every reserved page holds this room's data in every layer's K and V."""
     assert r.decode_state == "Success" and r.prefill_state == "Success", r.describe()
     assert r.aux_room == r.room, r.describe()
+    # Positive control of the commit gate: a complete transfer is attested and admitted.
+    assert r.gate == "ok" and r.gate_commits, f"{r.gate_message}\n{r.describe()}"
     assert len(r.verdicts) == -(-r.num_tokens // r.page_size), r.describe()
     for v in r.verdicts:
         layers = sorted((b.layer, b.kv) for b in v.buffers)
@@ -143,23 +148,16 @@ def test_coverage_gap_leaves_tail_unwritten(kv_lane: KVLane, tail: str) -> None:
             assert v.kind is PageKind.FOREIGN and v.rooms == (room_a,), r.describe()
 
 
-@pytest.mark.stock_leak
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="transport layer: the backends themselves have no coverage check, decode's receiver "
-    "reports Success over unwritten pages; sglang-pdsafe refuses such a commit one level up, at "
-    "the scheduler's commit gate (coverage attestation, test/pd/test_divergence.py)",
-)
 @pytest.mark.parametrize("tail", ["poison", "previous_room"])
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_coverage_gap_decode_must_not_succeed(kv_lane: KVLane, tail: str) -> None:
-    """(3b) SAFE expectation: decode never reports Success while a reserved page is not OWN.
+    """(3b) SAFE expectation: decode never commits while a reserved page is not OWN.
 
-    Observed on stock 0.5.23 (both backends, every page size): prefill and decode both reach
-    Success, decode's aux row carries the right room, and the tail pages are poison / the
-    previous room's data, i.e. decode would commit them.
+    The transport reports Success for both sides and decode's aux row carries the right room
+    (what stock 0.5.23 checks before committing: ``r.committed``), yet the tail pages are poison
+    or the previous room's data. The commit gate must refuse: prefill attested fewer tokens
+    than decode reserved, and the refusal names both counts.
     """
     r, _ = _gap_transfer(kv_lane, tail)
     if not (r.decode.terminal and r.prefill.terminal):
@@ -167,9 +165,15 @@ def test_coverage_gap_decode_must_not_succeed(kv_lane: KVLane, tail: str) -> Non
     not_own = [
         f"{v.position}@{v.page}:{v.kind.value}" for v in r.verdicts if v.kind is not PageKind.OWN
     ]
-    assert not (r.decode_state == "Success" and not_own), (
-        f"decode reported Success with unwritten pages {not_own}: {r.describe()}"
+    assert not_own, f"precondition: the gap left no unwritten page: {r.describe()}"
+    assert not r.gate_commits, (
+        f"decode would commit with unwritten pages {not_own} (gate {r.gate}): {r.describe()}"
     )
+    assert r.gate == "mismatch", f"{r.gate}: {r.gate_message}"
+    assert (f"prefill wrote tokens [0, {r.prefill_tokens}) = {r.prefill_tokens} tokens"
+            in r.gate_message), r.gate_message
+    assert f"decode reserved tokens [0, {r.num_tokens}) = {r.num_tokens} tokens" in (
+        r.gate_message), r.gate_message
 
 
 @pytest.mark.parametrize("page_size", [16])
@@ -209,22 +213,13 @@ def test_decode_abort_before_send_fails_prefill(
     )
 
 
-@pytest.mark.stock_leak
-@pytest.mark.xfail(
-    strict=False,
-    raises=AssertionError,
-    reason="stock 0.5.23: a prefill-side sender.abort() is not propagated; decode keeps its "
-    "pages reserved until SGLANG_DISAGGREGATION_WAITING_TIMEOUT (300 s). sglang-pdsafe's peer "
-    "release covers the scheduler's refusal paths (test/pd/test_peer_release.py); a bare "
-    "sender.abort() at transport level is characterised here, not claimed fixed",
-)
 @pytest.mark.parametrize("page_size", [16])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_abort_before_send_reaches_decode(
     kv_lane: KVLane, kv_measure: Callable[[str], None]
 ) -> None:
-    """SAFE expectation: after prefill aborts (before sending), decode reaches a terminal
-    state within ``PEER_OBSERVE_S``. Observed on stock: decode stays WaitingForInput.
+    """After prefill aborts (before sending), decode reaches Failed within ``PEER_OBSERVE_S``
+    (peer release, patch 0015). Observed on stock 0.5.23: decode stays WaitingForInput.
     """
     r = kv_lane.transfer(
         64,

@@ -49,7 +49,8 @@ COUNTERS: dict[str, str] = {
 }
 HISTOGRAMS: dict[str, str] = {
     "peer_release_latency_seconds":
-        "Time from a local PD rejection until the peer's reservation was released.",
+        "Time from a local PD rejection until the peer was told to release its reservation "
+        "(the release notice left on the control channel; the peer frees on receipt).",
 }
 
 _lock = threading.Lock()

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Show that each protection's tests fail without its patch: for every row below, revert the
+# named patches on top of the full series (`pdsafe-patches ablate`) and run the row's tests
+# against that tree. A row passes when the tests FAIL without the patch.
+#
+# usage: scripts/ablation-suite.sh [ROW-NAME ...]     (default: every row)
+# Logs: build/ablation/<row>.log; summary: build/ablation/summary.tsv (docs/ablation.md quotes it)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+OUT=build/ablation
+mkdir -p "$OUT"
+export PDSAFE_LOG_DIR=${PDSAFE_LOG_DIR:-$PWD/build/test-logs/ablation}
+# A stock server can hold a request for its 300 s timeouts: bound every test.
+TIMEOUT=(--timeout "${PDSAFE_ABLATION_TEST_TIMEOUT:-240}")
+
+# name | patches to revert | pytest arguments
+ROWS=(
+  "no-placeholder|0006|test/pd/test_no_placeholder.py -k typed"
+  "creation-guard|0007|test/pd/test_no_placeholder.py -k never_reaches"
+  "startup-refusal|0008 0013|test/admission/test_startup_capacity.py -k refuses_to_start"
+  "advertise-limits|0009|test/admission/test_startup_capacity.py -k advertises"
+  "http-400|0010|test/admission/test_http_admission.py -k colocated"
+  "streaming-4xx|0011|test/admission/test_http_admission.py -k colocated"
+  "client-guard|0012|test/admission/test_client_guard.py -k spoofed"
+  "decode-limit|0013|test/admission/test_http_admission.py -k pd_refuses"
+  "coverage|0004 0014|test/pd/test_divergence.py -k mooncake"
+  "peer-release-kv|0015 0016 0017|test/kv/test_kv_transfer.py -k prefill_abort"
+  "peer-release|0015 0016 0017|test/pd/test_peer_release.py -k mooncake"
+  "peer-release-doors|0016|test/pd/test_peer_release.py -k mooncake and direct"
+  "peer-release-http|0017|test/pd/test_peer_release.py -k mooncake and router"
+)
+
+want=("$@")
+summary="$OUT/summary.tsv"
+[ -f "$summary" ] || printf 'row\treverted\ttests\tresult without the patch\tverdict\tfirst failure\n' > "$summary"
+for row in "${ROWS[@]}"; do
+  IFS='|' read -r name drops tests <<<"$row"
+  if [ ${#want[@]} -gt 0 ] && [[ ! " ${want[*]} " == *" $name "* ]]; then continue; fi
+  args=()
+  for d in $drops; do args+=(-d "$d"); done
+  # the -k expression is everything after "-k" (it may contain spaces)
+  files=${tests%% -k *}
+  kexpr=${tests#* -k }
+  [ "$kexpr" = "$tests" ] && kexpr=""
+  log="$OUT/$name.log"
+  echo "== $name: revert $drops; $tests"
+  start=$(date +%s)
+  if [ -n "$kexpr" ]; then
+    "$VENV/bin/python" scripts/pdsafe-patches ablate "${args[@]}" -- $files -k "$kexpr" \
+      "${TIMEOUT[@]}" >"$log" 2>&1
+  else
+    "$VENV/bin/python" scripts/pdsafe-patches ablate "${args[@]}" -- $files "${TIMEOUT[@]}" \
+      >"$log" 2>&1
+  fi
+  rc=$?
+  secs=$(( $(date +%s) - start ))
+  result=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)|^=+ .*(passed|failed|error).* in ' "$log" \
+           | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
+  case $rc in
+    0) verdict="shown necessary (tests fail without it)";;
+    1) verdict="NOT SHOWN: tests pass without it";;
+    *) verdict="inconclusive (exit $rc, see $log)";;
+  esac
+  # the first assertion that failed: evidence that the failure is the protection's, not setup's
+  why=$(grep -m1 -E '^E +' "$log" | sed 's/^E *//' | cut -c1-160)
+  printf '%s\t%s\t%s\t%s (%ss)\t%s\t%s\n' "$name" "$drops" "$tests" "$result" "$secs" \
+    "$verdict" "$why" | tee -a "$summary"
+done
