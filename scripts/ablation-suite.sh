@@ -13,6 +13,9 @@ mkdir -p "$OUT"
 export PDSAFE_LOG_DIR=${PDSAFE_LOG_DIR:-$PWD/build/test-logs/ablation}
 # A stock server can hold a request for its 300 s timeouts: bound every test.
 TIMEOUT=(--timeout "${PDSAFE_ABLATION_TEST_TIMEOUT:-240}")
+# Servers start in well under a minute here; a server that must refuse to start but does not
+# should fail its test on the assertion, not on the test timeout.
+export PDSAFE_STARTUP_TIMEOUT=${PDSAFE_STARTUP_TIMEOUT:-150}
 
 # name | patches to revert | pytest arguments
 ROWS=(
@@ -21,6 +24,7 @@ ROWS=(
   "startup-refusal|0008 0013|test/admission/test_startup_capacity.py -k refuses_to_start"
   "advertise-limits|0009|test/admission/test_startup_capacity.py -k advertises"
   "http-400|0010|test/admission/test_http_admission.py -k colocated"
+  "http-400-pd|0010|test/admission/test_http_admission.py -k pd_refuses and p_lt_d"
   "streaming-4xx|0011|test/admission/test_http_admission.py -k colocated"
   "client-guard|0012|test/admission/test_client_guard.py -k spoofed"
   "decode-limit|0013|test/admission/test_http_admission.py -k pd_refuses"

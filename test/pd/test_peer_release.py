@@ -142,10 +142,23 @@ def reserved(server: SGLangServer) -> dict[str, int]:
     return out
 
 
+#: Counters that move when a server is done with a request. ``num_requests_total`` is counted
+#: by the HTTP layer when it delivers the outcome, so it misses a request whose client (the
+#: router, after the other leg's 4xx) disconnected first; the scheduler's failed-transfer and
+#: failed-bootstrap counters still record that the peer handled the release.
+_DONE_COUNTERS = ("sglang:num_requests_total", "sglang:num_transfer_failed_reqs_total",
+                  "sglang:num_bootstrap_failed_reqs_total")
+
+
 def finished(server: SGLangServer) -> float:
-    """Requests this server has finished (any outcome, aborts included): ``num_requests_total``."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in server.metrics().splitlines()
-               if line.startswith("sglang:num_requests_total"))
+    """Requests this server is done with (any outcome): the sum of ``_DONE_COUNTERS``. Only its
+    increase is used, so a request counted by two of them does no harm."""
+    total = 0.0
+    for line in server.metrics().splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _DONE_COUNTERS:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def wait_released(server: SGLangServer, baseline: dict[str, int], since: float,
