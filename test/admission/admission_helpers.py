@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import requests
-from harness.servers import PDStack
+from harness.servers import CLAMP_FLAG, PDStack
 
-CLAMP = "--disaggregation-clamp-context-to-kv-capacity"
+CLAMP = CLAMP_FLAG
 #: The tiny model's chat template (scripts/make_tiny_model.py), passed explicitly so that the
 #: tests also run on checkpoints without one: the chat prompt is the message text.
 CHAT_TEMPLATE = (
@@ -56,13 +56,6 @@ class PDCase:
                    self.limits("decode").max_prompt_tokens)
 
 
-def metric_value(url: str, name: str) -> float:
-    """Sum of a Prometheus counter over its label sets (0 when absent)."""
-    total = 0.0
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def error_message(body: Any) -> str:

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import requests
-from admission_helpers import error_message, metric_value
+from admission_helpers import error_message
 from harness.oracle import random_prompt
-from harness.servers import generate
+from harness.servers import generate, metric_total
 from sglang.pdsafe import client_guard
 
 pytestmark = pytest.mark.server
@@ -79,11 +79,11 @@ def test_spoofed_bootstrap_host_refused_on_both_pd_sides(pd_case, small_oracle, 
     n_refused = {}
     for side in ("decode", "prefill"):
         url = getattr(st, side).url
-        before = metric_value(url, HOST_COUNTER)
+        before = metric_total(url, HOST_COUNTER)
         n = _assert_all_refused(url, _requests(prompt, rng.randrange(1 << 60),
                                                st.prefill.bootstrap_port, host=FAKE), repr(FAKE))
         n_refused[side] = n
-        assert metric_value(url, HOST_COUNTER) - before == n
+        assert metric_total(url, HOST_COUNTER) - before == n
         # The server's own health check (which uses the fake host in PD mode) still works.
         assert requests.get(url + "/health_generate", timeout=60).status_code == 200
         assert requests.get(url + "/health", timeout=60).status_code == 200
@@ -103,13 +103,13 @@ def test_spoofed_health_check_rid_refused(pd_case, small, small_oracle, model_pa
     targets = [("co-located", small.url), ("decode", st.decode.url),
                ("prefill", st.prefill.url)]
     for what, url in targets:
-        before = metric_value(url, RID_COUNTER)
+        before = metric_total(url, RID_COUNTER)
         for rid in ("HEALTH_CHECK_0", f"x-HEALTH_CHECK-{uuid.uuid4().hex}"):
             n = _assert_all_refused(url, _requests(
                 prompt, rng.randrange(1 << 60), st.prefill.bootstrap_port,
                 host="127.0.0.1" if what != "co-located" else None, rid=rid), "HEALTH_CHECK")
             before += n
-        assert metric_value(url, RID_COUNTER) == before, what
+        assert metric_total(url, RID_COUNTER) == before, what
         assert requests.get(url + "/health_generate", timeout=60).status_code == 200, what
     # Through the router: it forwards the rid to both workers, which refuse it.
     r = requests.post(st.router.url + "/generate", json={

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 import requests
-from admission_helpers import Limits, error_message, metric_value
+from admission_helpers import Limits, error_message
 from harness.oracle import random_prompt
-from harness.servers import GenResult, direct_pd_generate, generate
+from harness.servers import GenResult, direct_pd_generate, generate, metric_total
 from sglang.pdsafe import admission
 
 pytestmark = pytest.mark.server
@@ -107,7 +107,7 @@ def test_colocated_refuses_over_kv_limit(small, small_oracle, model_path):
     normal = [random_prompt(rng, n, model_path) for n in (40, 200, 480)]
     for p in normal:  # reference answers before any refusal
         small_oracle.expected(p, MAX_NEW)
-    before = metric_value(small.url, COUNTER)
+    before = metric_total(small.url, COUNTER)
 
     for n, p in ok.items():
         for stream in (False, True):
@@ -120,7 +120,7 @@ def test_colocated_refuses_over_kv_limit(small, small_oracle, model_path):
         refused += _check_refusals(small.url, random_prompt(rng, n, model_path), L,
                                    f"co-located n={n}")
 
-    assert metric_value(small.url, COUNTER) - before == refused
+    assert metric_total(small.url, COUNTER) - before == refused
     for p in normal:  # the server is unharmed: same answers as before
         small_oracle.assert_identical(generate(small.url, p, MAX_NEW), p, MAX_NEW,
                                       what="normal request after refusals")
@@ -137,7 +137,7 @@ def test_pd_refuses_over_the_smaller_sides_limit(pd_case, small_oracle, model_pa
     L = smaller.max_prompt_tokens
     page = pd_case.page_size
     rng = random.Random(5)
-    before_s, before_l = metric_value(small_side.url, COUNTER), metric_value(large_side.url,
+    before_s, before_l = metric_total(small_side.url, COUNTER), metric_total(large_side.url,
                                                                             COUNTER)
     what = pd_case.name
 
@@ -185,9 +185,9 @@ def test_pd_refuses_over_the_smaller_sides_limit(pd_case, small_oracle, model_pa
             direct[side] += 1
 
     # Counters: the smaller side refused the router's requests and its own direct ones.
-    assert metric_value(small_side.url, COUNTER) - before_s == (
+    assert metric_total(small_side.url, COUNTER) - before_s == (
         router_refusals + direct[pd_case.smaller])
-    assert metric_value(large_side.url, COUNTER) - before_l == direct[
+    assert metric_total(large_side.url, COUNTER) - before_l == direct[
         "decode" if pd_case.smaller == "prefill" else "prefill"]
 
     # Next normal requests (reusing the pages) are reference-identical.

@@ -142,6 +142,16 @@ class ManagedProcess:
                 pass
 
 
+def metric_total(url: str, name: str) -> float:
+    """Sum of the Prometheus metric ``name`` on ``url``/metrics over its label sets (0 when
+    absent)."""
+    total = 0.0
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def _thread_ticks(pid: int) -> dict[int, int]:
     """CPU ticks (user+system) of every thread of ``pid`` and its descendants."""
     out: dict[int, int] = {}

@@ -39,6 +39,7 @@ from harness.servers import (
     ServerConfig,
     direct_pd_generate,
     generate,
+    metric_total,
     pd_stack,
 )
 
@@ -70,15 +71,6 @@ def max_req_input_len(url: str) -> int:
     value = _find(info, "max_req_input_len")
     assert isinstance(value, int), f"no max_req_input_len in /server_info of {url}"
     return value
-
-
-def metric_total(url: str, name: str) -> float:
-    """Sum of a Prometheus counter over all its label sets (0 when absent)."""
-    total = 0.0
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 COVERAGE_COUNTER = "sglang:pdsafe_coverage_mismatch_total"

@@ -32,16 +32,12 @@ import logging
 from typing import Any
 
 from sglang.pdsafe import metrics
-from sglang.pdsafe.protections import Protection, register
+from sglang.pdsafe.protections import Protection, is_pd, register
 
 logger = logging.getLogger("sglang.pdsafe.admission")
 
 CLAMP_FLAG = "--disaggregation-clamp-context-to-kv-capacity"
 CLAMP_FIELD = "disaggregation_clamp_context_to_kv_capacity"
-
-
-def _is_pd(server_args: Any) -> bool:
-    return getattr(server_args, "disaggregation_mode", "null") in ("prefill", "decode")
 
 
 register(Protection(
@@ -54,7 +50,7 @@ register(Protection(
     name="pd-capacity-invariant",
     guards="a PD server refuses to start when its KV pool holds fewer tokens than its "
            "context length (or clamps the context length with " + CLAMP_FLAG + ")",
-    is_active=_is_pd,
+    is_active=is_pd,
 ))
 
 
@@ -211,7 +207,7 @@ def enforce_kv_capacity(server_args: Any, kv_capacity: int, context_len: int) ->
                 kv_capacity, context_len, kv_capacity, CLAMP_FLAG, kv_capacity,
             )
             effective = int(kv_capacity)
-        elif _is_pd(server_args):
+        elif is_pd(server_args):
             raise CapacityInvariantError(
                 f"pdsafe: refusing to start this {server_args.disaggregation_mode} server: its KV "
                 f"pool holds {kv_capacity} tokens, fewer than its context length {context_len}, "

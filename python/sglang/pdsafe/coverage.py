@@ -67,7 +67,7 @@ from http import HTTPStatus
 from typing import Any
 
 from sglang.pdsafe import metrics
-from sglang.pdsafe.protections import Protection, register
+from sglang.pdsafe.protections import Protection, is_pd, register
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,7 @@ def mode() -> str:
 
 
 def _is_pd_enforced(server_args: Any) -> bool:
-    return (getattr(server_args, "disaggregation_mode", "null") in ("prefill", "decode")
-            and mode() == "enforce")
+    return is_pd(server_args) and mode() == "enforce"
 
 
 register(Protection(

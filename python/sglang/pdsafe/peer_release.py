@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang.pdsafe import metrics
-from sglang.pdsafe.protections import Protection, register
+from sglang.pdsafe.protections import Protection, is_pd, register
 
 logger = logging.getLogger("sglang.pdsafe.peer_release")
 
@@ -88,15 +88,11 @@ def _ttl_s() -> float:
         return DEFAULT_TTL_S
 
 
-def _is_pd(server_args: Any) -> bool:
-    return getattr(server_args, "disaggregation_mode", "null") in ("prefill", "decode")
-
-
 register(Protection(
     name="peer-release",
     guards="a PD request refused or aborted on one side before its KV transfer is failed on "
            "the other side at once through the KV control channel, which frees its pages",
-    is_active=lambda server_args: _is_pd(server_args) and enabled(),
+    is_active=lambda server_args: is_pd(server_args) and enabled(),
     disabled_by=f"{ENV_ENABLE}=0",
 ))
 

@@ -39,14 +39,15 @@ def registered() -> list[Protection]:
     return list(_REGISTRY)
 
 
-def _is_pd(server_args: Any) -> bool:
+def is_pd(server_args: Any) -> bool:
+    """Whether ``server_args`` describe one side of a PD pair (prefill or decode)."""
     return getattr(server_args, "disaggregation_mode", "null") in ("prefill", "decode")
 
 
 register(Protection(
     name="decode-commit-gate",
     guards="decode checks every finished transfer before its pages become a request's KV",
-    is_active=_is_pd,
+    is_active=is_pd,
 ))
 
 
@@ -64,7 +65,7 @@ def log_startup(server_args: Any) -> dict[str, bool]:
     on = [n for n, a in st.items() if a]
     logger.info("%s: protections active: %s", version_string(), ", ".join(on) or "none")
     for p in _REGISTRY:
-        if not st[p.name] and p.disabled_by and _is_pd(server_args):
+        if not st[p.name] and p.disabled_by and is_pd(server_args):
             logger.warning(
                 "pdsafe protection %r is OFF (%s). It guards: %s.", p.name, p.disabled_by,
                 p.guards,
