@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import requests
-from harness.servers import CLAMP_FLAG, PDStack
+from harness.servers import CLAMP_FLAG, DEFAULT_MODEL, PDStack
 
 CLAMP = CLAMP_FLAG
-#: The tiny model's chat template (scripts/make_tiny_model.py), passed explicitly so that the
-#: tests also run on checkpoints without one: the chat prompt is the message text.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if not loop.first %} {% endif -%}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' %}{{ part['text'] }}{% endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{%- endfor -%}"
-)
+#: The tiny model's chat template (written by scripts/make_tiny_model.py into the checkpoint),
+#: passed explicitly so that the tests also run on checkpoints without one (PDSAFE_MODEL): the
+#: chat prompt is the message text.
+CHAT_TEMPLATE: str = json.loads(
+    (DEFAULT_MODEL / "tokenizer_config.json").read_text())["chat_template"]
+
 
 @dataclass
 class Limits:

@@ -74,7 +74,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -87,6 +86,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+
+from harness.loopback import reserve_port, transport_pins
 
 __all__ = [
     "BACKENDS",
@@ -143,19 +144,7 @@ def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     Returned as a delta (not a copy of ``os.environ``); the child applies it to its own
     environment before importing sglang.
     """
-    env = {
-        "SGLANG_HOST_IP": "127.0.0.1",
-        "UCX_NET_DEVICES": "lo",
-        "UCX_TLS": os.environ.get("UCX_TLS", "tcp,self,sm"),
-        "MOONCAKE_PROTOCOL": "tcp",
-        "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES": "64",
-        "NO_PROXY": "127.0.0.1,localhost",
-        "no_proxy": "127.0.0.1,localhost",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = {**transport_pins(), "OMP_NUM_THREADS": "1"}
     if extra:
         env.update(extra)
     return env
@@ -188,10 +177,8 @@ def write_stub_model_config(directory: Path, num_layers: int) -> Path:
 
 
 def free_port() -> int:
-    """A TCP port the OS considers free on 127.0.0.1 (tiny race until the user binds it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port for a child to bind later (see harness.loopback: outside the ephemeral range)."""
+    return reserve_port()
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import requests
+
+from harness.loopback import bind_conflict, reserve_port, transport_pins
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "test" / "assets" / "tiny-copy-llama"
@@ -47,16 +48,7 @@ def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.update(
         {
             "SGLANG_USE_CPU_ENGINE": "1",
-            "SGLANG_HOST_IP": "127.0.0.1",
-            "UCX_NET_DEVICES": "lo",
-            "UCX_TLS": env.get("UCX_TLS", "tcp,self,sm"),
-            "MOONCAKE_PROTOCOL": "tcp",
-            "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES": "64",
-            "NO_PROXY": "127.0.0.1,localhost",
-            "no_proxy": "127.0.0.1,localhost",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1",
+            **transport_pins(),
             # An aborted request reaching KV sender/receiver creation raises (placeholder_guard).
             "SGLANG_PDSAFE_STRICT": "1",
             # Few threads per server: several servers share 2 cores, and a fixed thread
@@ -70,14 +62,16 @@ def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a process to bind later: outside the ephemeral range, never reused here."""
+    return reserve_port()
 
 
 class StartupError(RuntimeError):
     """A server did not become healthy; the message carries its log tail."""
+
+
+class PortTaken(StartupError):
+    """Another process bound one of the server's ports first (retry on fresh ports)."""
 
 
 @dataclass
@@ -193,11 +187,18 @@ def deprioritise_busy_pollers(pid: int, sample_s: float = 1.0) -> list[int]:
 
 
 def wait_healthy(proc: ManagedProcess, url: str, path: str = "/health",
-                 timeout: float = STARTUP_TIMEOUT_S) -> None:
-    """Poll ``url+path`` until it answers 200; raise StartupError with the log otherwise."""
+                 timeout: float = STARTUP_TIMEOUT_S, ports: set[int] | None = None) -> None:
+    """Poll ``url+path`` until it answers 200; raise StartupError with the log otherwise.
+
+    With ``ports``, a log line saying one of them could not be bound raises PortTaken at once
+    (uvicorn logs the bind error and then hangs instead of exiting)."""
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
+        if ports:
+            conflict = bind_conflict(proc.log_text(), ports)
+            if conflict:
+                raise PortTaken(f"{proc.name}: a port was taken before it bound it: {conflict}")
         if not proc.alive():
             raise StartupError(f"{proc.name} exited during startup:\n{proc.log_tail()}")
         try:
@@ -236,10 +237,15 @@ class SGLangServer:
     port: int
     process: ManagedProcess
     bootstrap_port: int | None = None
+    log_dir: Path | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ports(self) -> set[int]:
+        return {p for p in (self.port, self.bootstrap_port) if p is not None}
 
     def stop(self) -> None:
         self.process.stop()
@@ -251,8 +257,41 @@ class SGLangServer:
         return requests.get(self.url + "/server_info", timeout=10).json()
 
 
+PORT_ATTEMPTS = 3
+
+
 def launch_server(cfg: ServerConfig, log_dir: Path, *, wait: bool = True) -> SGLangServer:
-    """Start one server; with ``wait`` return only once it answers /health."""
+    """Start one server; with ``wait`` return only once it answers /health (see wait_server)."""
+    server = _spawn_server(cfg, log_dir)
+    if wait:
+        wait_server(server)
+    return server
+
+
+def wait_server(server: SGLangServer) -> None:
+    """Wait until ``server`` answers /health; stop it if it never does.
+
+    If another process took one of its ports first, restart it on fresh ports (up to
+    PORT_ATTEMPTS starts in all); ``server.port`` and ``server.url`` then change. Call this
+    before anything (a router) is given the server's ports."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            wait_healthy(server.process, server.url, ports=server.ports)
+            return
+        except PortTaken:
+            server.process.stop()
+            if attempt == PORT_ATTEMPTS:
+                raise
+            assert server.log_dir is not None
+            fresh = _spawn_server(server.config, server.log_dir)
+            server.port, server.bootstrap_port = fresh.port, fresh.bootstrap_port
+            server.process = fresh.process
+        except BaseException:
+            server.process.stop()
+            raise
+
+
+def _spawn_server(cfg: ServerConfig, log_dir: Path) -> SGLangServer:
     port = free_port()
     argv = [
         sys.executable, "-m", "sglang.launch_server",
@@ -293,14 +332,7 @@ def launch_server(cfg: ServerConfig, log_dir: Path, *, wait: bool = True) -> SGL
     name = f"{cfg.role}-{cfg.backend if cfg.role != 'colocated' else 'ref'}-{port}"
     proc = ManagedProcess(name, argv, loopback_env(cfg.env), log_dir / f"{name}.log")
     proc.start()
-    server = SGLangServer(cfg, port, proc, bootstrap_port)
-    if wait:
-        try:
-            wait_healthy(proc, server.url)
-        except BaseException:
-            proc.stop()
-            raise
-    return server
+    return SGLangServer(cfg, port, proc, bootstrap_port, log_dir)
 
 
 @dataclass
@@ -319,14 +351,25 @@ class Router:
 
 
 def launch_router(prefill: SGLangServer, decode: SGLangServer, log_dir: Path) -> Router:
-    port = free_port()
+    """Start the router in front of a healthy pair (on fresh ports if one was taken)."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _launch_router_once(prefill, decode, log_dir)
+        except PortTaken:
+            if attempt == PORT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch_router_once(prefill: SGLangServer, decode: SGLangServer, log_dir: Path) -> Router:
+    port, metrics_port = free_port(), free_port()
     smg = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
     if smg is None:
         raise StartupError("the `smg` router is not installed (pip install smg; see README)")
     argv = [
         smg, "launch", "--pd-disaggregation",
         "--host", "127.0.0.1", "--port", str(port),
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
         "--prefill", prefill.url, str(prefill.bootstrap_port),
         "--decode", decode.url,
         "--policy", "round_robin",
@@ -340,7 +383,7 @@ def launch_router(prefill: SGLangServer, decode: SGLangServer, log_dir: Path) ->
     proc.start()
     router = Router(port, proc)
     try:
-        wait_healthy(proc, router.url, "/health")
+        wait_healthy(proc, router.url, "/health", ports={port, metrics_port})
         # The router's health answers before it has probed the workers: wait for a
         # real generation to go through.
         deadline = time.monotonic() + 300
@@ -392,8 +435,8 @@ def pd_stack(
     d = launch_server(dcfg, log_dir, wait=False)
     router = None
     try:
-        wait_healthy(p.process, p.url)
-        wait_healthy(d.process, d.url)
+        wait_server(p)
+        wait_server(d)
         if with_router:
             router = launch_router(p, d, log_dir)
         stack = PDStack(backend, p, d, router)
