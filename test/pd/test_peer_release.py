@@ -475,8 +475,13 @@ def test_decode_refusal_direct_frees_prefill(stacks, model_path):
         what = f"{st.backend} decode refuses, direct: {label}"
         p, d, released = split_pd(st, (ids, {}), (ids, dextra), watch=st.prefill,
                                   baseline=base, refusing="decode", what=what)
-        assert_explicit_error(d, f"{what} (decode client)", statuses=(400,))
-        assert_explicit_error(p, f"{what} (prefill client)")
+        dmsg = assert_explicit_error(d, f"{what} (decode client)", statuses=(400,))
+        pmsg = assert_explicit_error(p, f"{what} (prefill client)")
+        # The prefill's client learns the cause, on every backend (NIXL's own ABORT handler
+        # used to overwrite it with a generic "Aborted by decode-side abort notification.").
+        assert "decode" in pmsg and dmsg[:60] in pmsg, (
+            f"{what}: the prefill client's error does not carry decode's reason "
+            f"({dmsg[:60]!r}): {pmsg[:300]!r}")
         print(f"{what}: prefill released {released:.3f}s after decode's refusal")
 
 
