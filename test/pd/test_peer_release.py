@@ -69,6 +69,11 @@ RELEASE_BOUND_S = float(os.environ.get("PDSAFE_PEER_RELEASE_BOUND_S", "2.5"))
 #: How long a client of the *other* side may wait for its explicit error. Upstream makes it
 #: wait for the 300 s timeout; anything near that is a hang.
 CLIENT_BOUND_S = float(os.environ.get("PDSAFE_PEER_CLIENT_BOUND_S", "15"))
+#: Through the router: a peer that neither received the request nor held anything this long
+#: past the release bound never got it (the router cancelled its leg); such a case is sent
+#: again, up to ROUTER_ATTEMPTS times.
+UNDELIVERED_AFTER_S = 5.0
+ROUTER_ATTEMPTS = 5
 HTTP_TIMEOUT_S = CLIENT_BOUND_S + 5
 
 PSMALL = {"prefill": (320, 320), "decode": (2048, 2048)}  # (pool tokens, context length)
@@ -187,11 +192,13 @@ def wait_released(server: SGLangServer, baseline: dict[str, int], since: float,
 
     ``router_may_drop``: through the router, the peer's leg can be cancelled by the router
     (after the other leg's 4xx) before it reaches the peer at all. Then there is nothing to
-    release; that is accepted (returning None) only if, for the whole observation window, the
-    peer held nothing and its HTTP layer never received another /generate request."""
+    release, and None is returned, but only if for ``UNDELIVERED_AFTER_S`` past the bound the
+    peer held nothing and its HTTP layer received no other /generate request (the caller then
+    sends the case again: see check_router_refusals)."""
     last: dict[str, int] = {}
     at_baseline_throughout = True
     deadline = since + max(bound, 0.0) + 30.0  # keep observing past the bound, for the report
+    undelivered_at = since + max(bound, 0.0) + UNDELIVERED_AFTER_S
     now = before
     while time.monotonic() < deadline:
         last = reserved(server)
@@ -204,11 +211,13 @@ def wait_released(server: SGLangServer, baseline: dict[str, int], since: float,
                 f"{what}: the peer ({server.config.role}) released its reservation only after "
                 f"{elapsed:.2f}s (bound {bound}s, target 1s); it was not told promptly")
             return elapsed
+        if (router_may_drop and at_baseline_throughout and now.received == before.received
+                and time.monotonic() > undelivered_at):
+            print(f"{what}: the router never delivered the request to the "
+                  f"{server.config.role} (its /generate count stayed {now.received:.0f}); "
+                  "nothing was reserved there")
+            return None
         time.sleep(0.05)
-    if router_may_drop and at_baseline_throughout and now.received == before.received:
-        print(f"{what}: the router never delivered the request to the {server.config.role} "
-              f"(its /generate count stayed {now.received:.0f}); nothing was reserved there")
-        return None
     raise AssertionError(
         f"{what}: the peer ({server.config.role}) still holds {last} (baseline {baseline}) "
         f"or is not done with the request ({now} vs before {before}) "
@@ -322,6 +331,81 @@ def split_pd(stack: PDStack, prefill: tuple[list[int], dict[str, Any]],
     return out["prefill"][0], out["decode"][0], released
 
 
+def _sides(stack: PDStack, refusing: str) -> tuple[SGLangServer, SGLangServer]:
+    """(the refusing server, its peer)."""
+    if refusing == "prefill":
+        return stack.prefill, stack.decode
+    return stack.decode, stack.prefill
+
+
+def check_router_refusals(st: PDStack, refusing: str, cases: list[tuple[int, bool]],
+                          model_path: Path, seed: int) -> None:
+    """Prompts of ``cases`` (length, stream) that only ``refusing`` refuses, through the router:
+    the client gets a 400 naming the length, and the peer frees what it reserved within the
+    bound. Streaming: the router forwards decode's stream (200 already sent) even though the
+    prefill refused; decode must then end it at once with an abort naming the cause."""
+    refuser, peer = _sides(st, refusing)
+    base = assert_idle(peer)
+    before = counter(refuser, "peer_notified_release")
+    rng = random.Random(seed)
+    for n, stream in cases:
+        # The router sometimes cancels the peer's leg before sending it (once the refusing
+        # leg's 400 is back): then nothing was reserved or tested there, so send it again.
+        for attempt in range(1, ROUTER_ATTEMPTS + 1):
+            ids = random_prompt(rng, n, model_path)
+            what = (f"{st.backend} {refusing} refuses {n} tokens via router (stream={stream}, "
+                    f"attempt {attempt})")
+            fin0 = progress(peer)
+            r, t_answer = _timed(st.router.url, ids, stream=stream)
+            message = assert_explicit_error(r, what, statuses=(400,), stream=stream)
+            assert str(n) in message, f"{what}: the message should name the length: {r.body}"
+            released = wait_released(peer, base, t_answer, fin0, what=what,
+                                     router_may_drop=True)
+            print(_released_line(what, peer.config.role, released, "the client's 400"))
+            if released is not None:
+                break
+        else:
+            raise AssertionError(f"{what}: the router never delivered the request to the "
+                                 f"{peer.config.role} in {ROUTER_ATTEMPTS} attempts")
+    # The refusing side tells the peer once the peer's metadata arrives: once per case.
+    assert counter(refuser, "peer_notified_release") >= before + len(cases)
+
+
+def check_direct_refusals(st: PDStack, refusing: str, over_capacity: int, model_path: Path,
+                          seed: int) -> None:
+    """The same prompt sent directly to both sides, one room, which only ``refusing`` refuses
+    (over its capacity, or at its scheduler door for a logprob_start_len past the prompt).
+    The refusing client gets a 400; the peer's client gets an explicit error that carries the
+    refusing side's reason, at once instead of after a 300 s hang; the peer frees its
+    reservation within the bound."""
+    refuser, peer = _sides(st, refusing)
+    base = assert_idle(peer)
+    rng = random.Random(seed)
+    cases = [
+        ("over capacity (same prompt to both)", random_prompt(rng, over_capacity, model_path),
+         {}),
+        (f"scheduler-door refusal ({refusing} gets logprob_start_len past the prompt)",
+         random_prompt(rng, 64, model_path), DOOR_REJECT),
+    ]
+    for label, ids, extra in cases:
+        what = f"{st.backend} {refusing} refuses, direct: {label}"
+        reqs = {"prefill": (ids, {}), "decode": (ids, {})}
+        reqs[refusing] = (ids, extra)
+        p, d, released = split_pd(st, reqs["prefill"], reqs["decode"], watch=peer,
+                                  baseline=base, refusing=refusing, what=what)
+        answers = {"prefill": p, "decode": d}
+        rmsg = assert_explicit_error(answers[refusing], f"{what} ({refusing} client)",
+                                     statuses=(400,))
+        role = peer.config.role
+        pmsg = assert_explicit_error(answers[role], f"{what} ({role} client)")
+        # The peer's client learns the cause, on every backend (NIXL's own ABORT handler used
+        # to overwrite it with a generic "Aborted by decode-side abort notification.").
+        assert refusing in pmsg and rmsg[:60] in pmsg, (
+            f"{what}: the {role} client's error does not carry the {refusing}'s reason "
+            f"({rmsg[:60]!r}): {pmsg[:300]!r}")
+        print(f"{what}: {role} released {released:.3f}s after {refusing}'s refusal")
+
+
 def check_normal_traffic(stack: PDStack, oracle, model_path: Path, seed: int,
                          max_len: int) -> None:
     """Requests that reuse the released pages still match the co-located reference."""
@@ -354,51 +438,18 @@ DOOR_REJECT = {"return_logprob": True, "logprob_start_len": 1_000_000}
 
 @server
 def test_prefill_refusal_through_router_frees_decode(stacks, model_path):
-    """Prompts only the prefill refuses: the client gets a 4xx at once, decode frees its pages."""
-    st = stacks.psmall
-    base = assert_idle(st.decode)
-    limit = max_req_input_len(st.prefill)
-    before = counter(st.prefill, "peer_notified_release")
-    rng = random.Random(11)
-    # limit: scheduler door today (HTTP layer once admission checks max_req_input_len);
-    # 400 >= context 320: HTTP layer. Streaming too.
-    delivered = []
-    for n, stream in ((limit, False), (400, False), (limit + 1, True)):
-        ids = random_prompt(rng, n, model_path)
-        what = f"{st.backend} prefill refuses {n} tokens via router (stream={stream})"
-        fin0 = progress(st.decode)
-        r, t_answer = _timed(st.router.url, ids, stream=stream)
-        # Streaming: the router forwards decode's stream (200 already sent) even though the
-        # prefill refused; decode must then end it at once with an abort naming the cause.
-        message = assert_explicit_error(r, what, statuses=(400,), stream=stream)
-        assert str(n) in message, f"{what}: the message should name the length: {r.body}"
-        released = wait_released(st.decode, base, t_answer, fin0, what=what,
-                                 router_may_drop=True)
-        print(_released_line(what, "decode", released, "the client's 400"))
-        delivered.append(released is not None)
-    assert any(delivered), "the router delivered no request to decode: nothing was tested"
-    assert counter(st.prefill, "peer_notified_release") >= before + 3
+    """Prompts only the prefill refuses: the client gets a 4xx at once, decode frees its pages.
+    At the limit (scheduler door before 0010, HTTP layer now), at 400 >= context 320 (HTTP
+    layer), and streaming."""
+    limit = max_req_input_len(stacks.psmall.prefill)
+    check_router_refusals(stacks.psmall, "prefill",
+                          [(limit, False), (400, False), (limit + 1, True)], model_path, seed=11)
 
 
 @server
 def test_prefill_refusal_direct_frees_decode(stacks, model_path):
     """Direct to both sides: the decode client gets an explicit error, not a 300 s hang."""
-    st = stacks.psmall
-    base = assert_idle(st.decode)
-    rng = random.Random(12)
-    cases = [
-        ("over capacity (same prompt to both)", random_prompt(rng, 400, model_path), {}),
-        ("scheduler-door refusal (prefill gets logprob_start_len past the prompt)",
-         random_prompt(rng, 64, model_path), DOOR_REJECT),
-    ]
-    for label, ids, pextra in cases:
-        what = f"{st.backend} prefill refuses, direct: {label}"
-        p, d, released = split_pd(st, (ids, pextra), (ids, {}), watch=st.decode, baseline=base,
-                                  refusing="prefill", what=what)
-        assert_explicit_error(p, f"{what} (prefill client)", statuses=(400,))
-        assert_explicit_error(d, f"{what} (decode client)")
-        assert "pdsafe" in d.error_message or "refused" in d.error_message, d.body
-        print(f"{what}: decode released {released:.3f}s after prefill's refusal")
+    check_direct_refusals(stacks.psmall, "prefill", 400, model_path, seed=12)
 
 
 @server
@@ -439,50 +490,17 @@ def test_normal_traffic_after_prefill_refusals(stacks, oracle, model_path):
 
 @server
 def test_decode_refusal_through_router_frees_prefill(stacks, model_path):
-    """Prompts only the decode refuses: the client gets a 4xx, the prefill drops its request."""
-    st = stacks.dsmall
-    base = assert_idle(st.prefill)
-    limit = max_req_input_len(st.decode)
-    before = counter(st.decode, "peer_notified_release")
-    rng = random.Random(21)
-    delivered = []
-    for n in (limit, 1100):  # door today / HTTP layer (>= context 1024)
-        ids = random_prompt(rng, n, model_path)
-        what = f"{st.backend} decode refuses {n} tokens via router"
-        fin0 = progress(st.prefill)
-        r, t_answer = _timed(st.router.url, ids)
-        assert_explicit_error(r, what, statuses=(400,))
-        released = wait_released(st.prefill, base, t_answer, fin0, what=what,
-                                 router_may_drop=True)
-        print(_released_line(what, "prefill", released, "the client's 400"))
-        delivered.append(released is not None)
-    assert any(delivered), "the router delivered no request to prefill: nothing was tested"
-    assert counter(st.decode, "peer_notified_release") >= before + 2
+    """Prompts only the decode refuses: the client gets a 4xx, the prefill drops its request.
+    At the limit and at 1100 >= context 1024."""
+    limit = max_req_input_len(stacks.dsmall.decode)
+    check_router_refusals(stacks.dsmall, "decode", [(limit, False), (1100, False)], model_path,
+                          seed=21)
 
 
 @server
 def test_decode_refusal_direct_frees_prefill(stacks, model_path):
     """Direct to both sides: the prefill client gets an explicit error at once."""
-    st = stacks.dsmall
-    base = assert_idle(st.prefill)
-    rng = random.Random(22)
-    cases = [
-        ("over capacity (same prompt to both)", random_prompt(rng, 1100, model_path), {}),
-        ("scheduler-door refusal (decode gets logprob_start_len past the prompt)",
-         random_prompt(rng, 64, model_path), DOOR_REJECT),
-    ]
-    for label, ids, dextra in cases:
-        what = f"{st.backend} decode refuses, direct: {label}"
-        p, d, released = split_pd(st, (ids, {}), (ids, dextra), watch=st.prefill,
-                                  baseline=base, refusing="decode", what=what)
-        dmsg = assert_explicit_error(d, f"{what} (decode client)", statuses=(400,))
-        pmsg = assert_explicit_error(p, f"{what} (prefill client)")
-        # The prefill's client learns the cause, on every backend (NIXL's own ABORT handler
-        # used to overwrite it with a generic "Aborted by decode-side abort notification.").
-        assert "decode" in pmsg and dmsg[:60] in pmsg, (
-            f"{what}: the prefill client's error does not carry decode's reason "
-            f"({dmsg[:60]!r}): {pmsg[:300]!r}")
-        print(f"{what}: prefill released {released:.3f}s after decode's refusal")
+    check_direct_refusals(stacks.dsmall, "decode", 1100, model_path, seed=22)
 
 
 @server
