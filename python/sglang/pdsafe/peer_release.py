@@ -449,6 +449,7 @@ class _Notifier:
         self.q: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self.pid = os.getpid()
         self.ranks: dict[tuple[str, int | None, int], tuple[float, list[tuple[str, int]]]] = {}
+        self.topologies: dict[str, tuple[float, dict[str, Any]]] = {}
         self.bad_addrs: dict[str, float] = {}
         self.sockets: dict[str, Any] = {}
         self.ctx: Any = None
@@ -472,9 +473,20 @@ class _Notifier:
         r.raise_for_status()
         return r.json()
 
-    def _resolve(self, addr: str, room: int, dp_rank: int | None) -> list[tuple[str, int]]:
+    def _topology(self, addr: str) -> dict[str, Any]:
+        """The prefill's parallel layout (dp/cp/tp/pp sizes), cached like the ranks: a notice
+        to a known prefill then needs no HTTP round trip (the bootstrap server shares its
+        process with the prefill's busy HTTP front end)."""
+        hit = self.topologies.get(addr)
+        if hit is not None and time.monotonic() - hit[0] < self.RANK_CACHE_TTL_S:
+            return hit[1]
         info = self._route(addr, prefill_dp_rank=-1, prefill_cp_rank=-1, target_tp_rank=-1,
                            target_pp_rank=-1)
+        self.topologies[addr] = (time.monotonic(), info)
+        return info
+
+    def _resolve(self, addr: str, room: int, dp_rank: int | None) -> list[tuple[str, int]]:
+        info = self._topology(addr)
         dp_size = int(info.get("dp_size", 1))
         if dp_rank is not None:
             dps = [int(dp_rank)]
@@ -546,6 +558,7 @@ class _Notifier:
                 if sock is not None:
                     sock.close(linger=0)
                 self.ranks.clear()
+                self.topologies.clear()
                 _notify_failed(f"send ABORT for room {job.room} to prefill rank "
                                f"{na.to_host_port_str()}", e)
         if sent and job.origin == ORIGIN_PEER:
