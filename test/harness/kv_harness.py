@@ -87,7 +87,8 @@ from typing import Any
 
 import numpy as np
 
-from harness.loopback import reserve_port, transport_pins
+from harness.loopback import reserve_port as free_port
+from harness.loopback import transport_pins
 
 __all__ = [
     "BACKENDS",
@@ -174,11 +175,6 @@ def write_stub_model_config(directory: Path, num_layers: int) -> Path:
     }
     (directory / "config.json").write_text(json.dumps(config))
     return directory
-
-
-def free_port() -> int:
-    """A port for a child to bind later (see harness.loopback: outside the ephemeral range)."""
-    return reserve_port()
 
 
 # --------------------------------------------------------------------------------------------

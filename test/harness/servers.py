@@ -31,7 +31,8 @@ from typing import Any
 
 import requests
 
-from harness.loopback import bind_conflict, reserve_port, transport_pins
+from harness.loopback import bind_conflict, transport_pins
+from harness.loopback import reserve_port as free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "test" / "assets" / "tiny-copy-llama"
@@ -59,11 +60,6 @@ def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     if extra:
         env.update(extra)
     return env
-
-
-def free_port() -> int:
-    """A port for a process to bind later: outside the ephemeral range, never reused here."""
-    return reserve_port()
 
 
 class StartupError(RuntimeError):
