@@ -16,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test"))
-
-from harness.oracle import random_prompt  # noqa: E402
-from harness.servers import (  # noqa: E402
+# The test harness: the test-only distribution test/testkit, which the test profile installs
+# (scripts/install-cpu.sh: pip install --no-deps -e test/testkit).
+from pdsafe_testkit.oracle import random_prompt
+from pdsafe_testkit.servers import (
     DEFAULT_MODEL,
     ServerConfig,
     colocated_server,

@@ -4,7 +4,8 @@
 # Installs: Debian libibverbs1 (Mooncake needs libibverbs.so.1; skipped when not root),
 # the CPU profile (requirements/cpu.txt under requirements/constraints-cpu.txt: torch 2.13.0 CPU,
 # never a CUDA build), then the fork itself with --no-deps (the wheel keeps upstream's GPU
-# dependency set in its metadata, which a CPU machine must not resolve).
+# dependency set in its metadata, which a CPU machine must not resolve), then the test-only
+# testkit (test/testkit: harness + fault plugin) editable with --no-deps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv}
@@ -36,6 +37,11 @@ profile_done=$(date +%s)
 echo "== sglang-pdsafe (pinned upstream wheel + patches/ + python/sglang)"
 "${PIP[@]}" install -q --no-deps -c "$C" . 2>&1 | quiet
 end=$(date +%s)
+
+# The test profile: the test-only harness + fault plugin (never part of the product wheel),
+# editable so test/ and benchmark/ import pdsafe_testkit without path hacks.
+echo "== sglang-pdsafe-testkit (test/testkit, editable, test profile)"
+"${PIP[@]}" install -q --no-deps -e test/testkit 2>&1 | quiet
 
 "$VENV/bin/python" - <<'PY'
 import sglang, torch

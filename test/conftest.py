@@ -1,22 +1,19 @@
 """Shared fixtures: one co-located reference server and one PD stack per backend per session.
 
 Servers are slow to start on 2 cores (~30 s), so they are session-scoped and shared; a test
-that needs special server flags starts its own stack through harness.servers.
+that needs special server flags starts its own stack through ``pdsafe_testkit.servers`` (the
+test-only harness distribution in test/testkit, installed editable by the test profile).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness.oracle import Oracle  # noqa: E402
-from harness.servers import (  # noqa: E402
+from pdsafe_testkit.backends import BACKENDS
+from pdsafe_testkit.oracle import Oracle
+from pdsafe_testkit.servers import (
     DEFAULT_MODEL,
     SHARED_DECODE_POOL,
     SHARED_PREFILL_POOL,
@@ -27,8 +24,7 @@ from harness.servers import (  # noqa: E402
     pd_stack,
 )
 
-BACKENDS = ["mooncake", "nixl"]
-MODEL = Path(os.environ.get("PDSAFE_MODEL", str(DEFAULT_MODEL)))
+MODEL = DEFAULT_MODEL  # PDSAFE_MODEL overrides it (pdsafe_testkit.servers)
 
 
 @pytest.fixture(scope="session")
@@ -54,19 +50,20 @@ def oracle(reference) -> Oracle:
     return Oracle(reference.url)
 
 
-_stacks: dict[str, object] = {}
-
 
 @pytest.fixture(scope="session", params=BACKENDS)
 def pd(request: pytest.FixtureRequest, log_dir: Path, model_path: Path) -> Iterator[PDStack]:
-    """A shared PD pair + router per backend (small pools, page size 1)."""
+    """A shared PD pair + router per backend (small pools, page size 1), default configuration:
+    the context length is the pool's size (the operator's remedy for a small pool)."""
     backend = request.param
     with pd_stack(
         backend, log_dir,
         prefill=ServerConfig(role="prefill", model_path=model_path,
-                             max_total_tokens=SHARED_PREFILL_POOL),
+                             max_total_tokens=SHARED_PREFILL_POOL,
+                             context_length=SHARED_PREFILL_POOL),
         decode=ServerConfig(role="decode", model_path=model_path,
                             max_total_tokens=SHARED_DECODE_POOL,
+                            context_length=SHARED_DECODE_POOL,
                             # Only acts on rids with the fault prefixes (oracle self-test).
                             env={"SGLANG_PDSAFE_TEST_FAULTS": "foreign_kv:16"}),
     ) as stack:

@@ -10,11 +10,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+# build_backend/ is on the path through pytest's `pythonpath` option (pyproject.toml).
+import pdsafe_build as pb
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "build_backend"))
-import pdsafe_build as pb  # noqa: E402
 
 PATCHES_TOOL = [sys.executable, str(REPO / "scripts" / "pdsafe-patches")]
 

@@ -1,8 +1,9 @@
-"""The harness's loopback discipline. Ports outside the ephemeral range, and a server whose port was
-taken before it bound it is restarted on fresh ports instead of hanging until the timeout.
+"""The harness's loopback discipline with a real server: a server whose port was taken before it
+bound it is restarted on fresh ports instead of hanging until the timeout.
 
 CI once lost 4 tests because a server's pre-chosen port (from the ephemeral range) was taken by
-another process's outgoing connection during the ~15 s the server spent starting up.
+another process's outgoing connection during the ~15 s the server spent starting up. The port
+band itself (no server): test/unit/test_loopback_ports.py.
 """
 
 from __future__ import annotations
@@ -12,51 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import loopback as ports
-from harness import servers
-from harness.servers import ServerConfig, generate, launch_server
-
-UVICORN_LINE = ("[2026-11-30 06:45:08] ERROR:    [Errno 98] error while attempting to bind on "
-                "address ('127.0.0.1', 39075): address already in use")
-
-
-def _ephemeral_low() -> int:
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        return int(f.read().split()[0])
-
-
-def test_reserved_ports_are_unique_bindable_and_below_the_ephemeral_range() -> None:
-    got = [ports.reserve_port() for _ in range(200)]
-    low, high = ports.port_band()
-    assert len(set(got)) == len(got), "a port was handed out twice"
-    assert all(low <= p <= high for p in got)
-    assert high < _ephemeral_low(), "the band overlaps the kernel's ephemeral range"
-    assert not (low <= 17000 and high >= 15000), "the band overlaps Mooncake's port range"
-    assert not (low <= 29999 and high >= 22000), "the band overlaps sglang's nccl port range"
-
-
-def test_reserve_port_skips_a_port_that_is_already_bound(monkeypatch: pytest.MonkeyPatch
-                                                         ) -> None:
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        taken = held.getsockname()[1]
-        held.listen()
-        # A band of two ports, one of them taken: only the other can come back.
-        other = taken + 1 if taken < 65535 else taken - 1
-        lo, hi = sorted((taken, other))
-        monkeypatch.setenv("PDSAFE_PORT_RANGE", f"{lo}-{hi}")
-        monkeypatch.setattr(ports, "_issued", set())
-        assert ports.reserve_port() == other
-        with pytest.raises(ports.PortBandExhausted, match="PDSAFE_PORT_RANGE"):
-            ports.reserve_port()
-
-
-def test_bind_conflict_recognises_the_uvicorn_line_for_our_port_only() -> None:
-    assert ports.bind_conflict("x\n" + UVICORN_LINE + "\ny", {39075}) == UVICORN_LINE.strip()
-    assert ports.bind_conflict(UVICORN_LINE, {3907, 9075}) is None  # no digit-substring match
-    assert ports.bind_conflict(UVICORN_LINE, {18000}) is None
-    assert ports.bind_conflict("Mooncake: bind 15132 failed: Address already in use",
-                               {15132}) is not None
+from pdsafe_testkit import loopback as ports
+from pdsafe_testkit import servers
+from pdsafe_testkit.servers import ServerConfig, generate, launch_server
 
 
 @pytest.fixture
@@ -73,8 +32,8 @@ def test_server_whose_port_was_taken_restarts_on_a_fresh_port(
         held_port: int, log_dir: Path, model_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     handed = iter([held_port])
-    real = servers.free_port
-    monkeypatch.setattr(servers, "free_port", lambda: next(handed, None) or real())
+    real = servers.reserve_port
+    monkeypatch.setattr(servers, "reserve_port", lambda: next(handed, None) or real())
     server = launch_server(ServerConfig(role="colocated", model_path=model_path,
                                         max_total_tokens=512), log_dir)
     try:

@@ -6,6 +6,8 @@ warmup and /health_generate keep working.
 Without the guard, a client's ``bootstrap_host: "2.2.2.2"`` sent to a decode server makes it
 skip the KV transfer and decode over pages nobody wrote (HTTP 200 with garbage), and a
 ``HEALTH_CHECK`` rid turns off the KV checksum and metrics for that request.
+
+The guard's logic alone (no servers): test/unit/test_client_guard_logic.py.
 """
 
 from __future__ import annotations
@@ -16,16 +18,15 @@ from typing import Any
 
 import pytest
 import requests
-from admission_helpers import error_message
-from harness.oracle import random_prompt
-from harness.servers import generate, metric_total
-from sglang.pdsafe import client_guard
+from pdsafe_testkit.metrics import metric_total
+from pdsafe_testkit.oracle import random_prompt
+from pdsafe_testkit.servers import error_message, generate
+from sglang.pdsafe.client_guard import FAKE_BOOTSTRAP_HOST as FAKE
 
 pytestmark = pytest.mark.server
 
 HOST_COUNTER = "sglang:pdsafe_rejected_spoofed_bootstrap_host_total"
 RID_COUNTER = "sglang:pdsafe_rejected_spoofed_rid_total"
-FAKE = "2.2.2.2"
 MAX_NEW = 4
 
 
@@ -118,39 +119,3 @@ def test_spoofed_health_check_rid_refused(pd_case, small, small_oracle, model_pa
     assert 400 <= r.status_code < 500 and "HEALTH_CHECK" in r.text, r.text[:300]
     small_oracle.assert_identical(generate(st.router.url, prompt, 16), prompt, 16,
                                   what="after rid spoof attempts")
-
-
-# --------------------------------------------------------------------------- logic only
-
-
-def test_guard_constants_match_upstream():
-    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
-    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
-
-    assert client_guard.FAKE_BOOTSTRAP_HOST == FAKE_BOOTSTRAP_HOST
-    assert client_guard.HEALTH_CHECK_RID_PREFIX == HEALTH_CHECK_RID_PREFIX
-
-
-class _Req:
-    def __init__(self, path: str = "/generate", method: str = "POST",
-                 headers: dict | None = None) -> None:
-        self.url = type("U", (), {"path": path})()
-        self.method = method
-        self.headers = headers or {}
-
-
-class _Obj:
-    def __init__(self, host: Any = None, rid: Any = None) -> None:
-        self.bootstrap_host, self.rid = host, rid
-
-
-def test_guard_trusts_only_server_built_requests():
-    spoof = _Obj(host=FAKE, rid="HEALTH_CHECK_1")
-    client_guard.check_client_request(spoof, None)  # in-process (warmup.py, Engine)
-    client_guard.check_client_request(spoof, _Req("/health_generate", "GET"))
-    client_guard.check_client_request(spoof, _Req(headers=client_guard.internal_headers()))
-    for req in (_Req(), _Req("/health_generate", "POST"),
-                _Req(headers={client_guard.INTERNAL_HEADER: "guess"})):
-        with pytest.raises(client_guard.SpoofedInternalFieldError):
-            client_guard.check_client_request(spoof, req)
-    client_guard.check_client_request(_Obj(host=["127.0.0.1", None], rid=["a", None]), _Req())

@@ -7,20 +7,26 @@ HTTP admission (upstream checks only the context length): a co-located server an
 the scheduler door (streaming: "200 OK" with an error event), and in PD mode it reaches the
 bootstrap/pre-allocation of the other side; the decode side of a pair even waits forever for
 a prompt whose pages plus the reserved decode tokens can never fit.
+
+The admission logic alone (no servers): test/unit/test_admission_limits.py.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 import pytest
 import requests
-from admission_helpers import Limits, error_message
-from harness.oracle import random_prompt
-from harness.servers import GenResult, direct_pd_generate, generate, metric_total
-from sglang.pdsafe import admission
+from pdsafe_testkit.metrics import metric_total
+from pdsafe_testkit.oracle import random_prompt
+from pdsafe_testkit.servers import (
+    GenResult,
+    Limits,
+    direct_pd_generate,
+    error_message,
+    generate,
+)
 
 pytestmark = pytest.mark.server
 
@@ -220,53 +226,3 @@ def test_pd_chat_over_limit_refused_through_router(pd_case, small_oracle, model_
     # The chat template renders the message text alone: same tokens as ``under``.
     exp = [f"w{i - 4}" for i in small_oracle.expected(under, MAX_NEW) if i >= 4]
     assert r.json()["choices"][0]["message"]["content"].split() == exp
-
-
-# --------------------------------------------------------------------------- logic only
-
-
-def _tm(limit: int | None, truncate: bool) -> SimpleNamespace:
-    return SimpleNamespace(max_req_input_len=limit, allow_auto_truncate=truncate,
-                           context_len=4096, pdsafe_kv_capacity=512)
-
-
-@pytest.mark.parametrize("n", [504, 505])
-def test_check_input_length_accepts_up_to_limit(n):
-    ids = list(range(n))
-    admission.check_input_length(_tm(506, False), ids)
-    assert len(ids) == n
-
-
-@pytest.mark.parametrize("n", [506, 507, 4000])
-def test_check_input_length_refuses_from_limit(n):
-    with pytest.raises(admission.PromptTooLongError) as e:
-        admission.check_input_length(_tm(506, False), list(range(n)))
-    assert e.value.status_code == 400
-    body = admission.error_content(e.value)
-    assert body["error"]["prompt_tokens"] == n and body["error"]["max_prompt_tokens"] == 505
-    assert "--max-total-tokens" in str(e.value)
-
-
-def test_check_input_length_truncates_with_allow_auto_truncate():
-    """--allow-auto-truncate: the longest prompt the scheduler door accepts, no counter."""
-    from sglang.pdsafe import metrics
-
-    before = metrics.value("rejected_over_capacity_http_total")
-    ids = list(range(900))
-    admission.check_input_length(_tm(506, True), ids)
-    assert ids == list(range(505))
-    assert metrics.value("rejected_over_capacity_http_total") == before
-
-
-def test_check_input_length_waits_for_scheduler_limit():
-    ids = list(range(10_000))
-    admission.check_input_length(_tm(None, False), ids)  # before the scheduler reported
-    assert len(ids) == 10_000
-
-
-def test_decode_limit_includes_reserved_decode_tokens():
-    args = SimpleNamespace(disaggregation_mode="decode", num_reserved_decode_tokens=512)
-    assert admission.decode_input_limit(args, 800, 794, page_size=4) == 289
-    assert admission.decode_input_limit(args, 1024, 1018, page_size=1) == 513
-    args.disaggregation_mode = "prefill"
-    assert admission.decode_input_limit(args, 800, 794, page_size=4) == 794

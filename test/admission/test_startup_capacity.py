@@ -1,12 +1,16 @@
-"""Capacity invariant at startup (issue #3, item 7).
+"""Capacity invariant at startup (issue #3, item 7), with real servers.
 
 A PD server whose KV pool holds fewer tokens than its context length refuses to start, with a
 message naming both numbers and both remedies; ``--disaggregation-clamp-context-to-kv-capacity``
 lowers the effective context length instead (logged), and /model_info and /server_info
 advertise the effective context length and max_req_input_len.
 
+These are the only tests that pass the clamp flag: every other PD server of the suite runs the
+default configuration (``test_shared_pd_stacks_run_the_default_configuration``).
+
 Without the patch, both refusal servers start (upstream only logs a warning) and the clamped
-server advertises the model's context length (4096) although its pool holds 400/800 tokens.
+servers advertise the model's context length (4096) although their pools hold 400/800 tokens.
+The invariant's logic alone: test/unit/test_capacity_invariant.py.
 """
 
 from __future__ import annotations
@@ -14,13 +18,20 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import requests
-from admission_helpers import CLAMP, Limits
-from harness.servers import STARTUP_TIMEOUT_S, ServerConfig, SGLangServer, launch_server
-from sglang.pdsafe import admission
+from pdsafe_testkit.servers import (
+    STARTUP_TIMEOUT_S,
+    Limits,
+    ServerConfig,
+    SGLangServer,
+    launch_server,
+    wait_server,
+)
+from sglang.pdsafe.admission import CLAMP_FLAG
+
+CLAMP = CLAMP_FLAG
 
 pytestmark = pytest.mark.server
 
@@ -33,8 +44,6 @@ def refused(log_dir: Path, model_path: Path) -> Iterator[dict[str, SGLangServer]
     """A prefill and a decode server with a 256-token pool and the model's 4096 context,
     started together (the invariant is checked per server, no peer is needed)."""
     servers = {
-        # An explicit --context-length (the model's own) keeps the harness from adding the
-        # clamp flag that it passes to PD servers with small pools by default.
         role: launch_server(ServerConfig(role=role, model_path=model_path,
                                          max_total_tokens=POOL, context_length=CONTEXT),
                             log_dir, wait=False)
@@ -71,6 +80,30 @@ def test_pd_server_refuses_to_start_below_context(refused, role):
     assert "--context-length" in msg and CLAMP in msg, msg
 
 
+#: The clamped servers: (pool, page size) per role. Decode's limit also leaves room for the
+#: 512 reserved decode tokens, on page boundaries.
+CLAMPED = {"prefill": (400, 1), "decode": (800, 4)}
+
+
+@pytest.fixture(scope="module")
+def clamped(log_dir: Path, model_path: Path) -> Iterator[dict[str, SGLangServer]]:
+    """A prefill and a decode server with small pools, the model's context (4096) and the clamp
+    flag, started together and standalone (each clamps on its own; no peer is needed)."""
+    servers = {
+        role: launch_server(ServerConfig(role=role, model_path=model_path,
+                                         max_total_tokens=pool, page_size=page,
+                                         extra_args=[CLAMP]), log_dir, wait=False)
+        for role, (pool, page) in CLAMPED.items()
+    }
+    try:
+        for s in servers.values():
+            wait_server(s)
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
 def _check_advertised(url: str, kv: int) -> None:
     lim = Limits.of(url)
     assert lim.kv_capacity_tokens == kv
@@ -83,12 +116,13 @@ def _check_advertised(url: str, kv: int) -> None:
         {k: info.get(k) for k in ("context_length", "max_req_input_len")})
 
 
-def test_clamp_flag_starts_and_advertises_effective_limits(pd_case):
-    """The side started with the clamp flag (see conftest) runs with context = KV capacity."""
-    side = getattr(pd_case.stack, pd_case.clamped)
-    kv = side.config.max_total_tokens
-    page = pd_case.page_size
-    if pd_case.clamped == "decode":
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_clamp_flag_starts_and_advertises_effective_limits(clamped, role):
+    """A server started with the clamp flag runs with context = KV capacity, says so in its
+    log, and advertises the limits that follow from it."""
+    side = clamped[role]
+    kv, page = CLAMPED[role]
+    if role == "decode":
         # Decode pre-allocates the prompt's pages plus 512 reserved decode tokens.
         lim = Limits.of(side.url)
         assert lim.max_req_input_len == (kv - 512) // page * page + 1
@@ -101,38 +135,13 @@ def test_clamp_flag_starts_and_advertises_effective_limits(pd_case):
     warn = [ln for ln in side.process.log_text().splitlines()
             if "lowering the effective context length" in ln]
     assert warn and f"holds {kv} tokens" in warn[0] and str(CONTEXT) in warn[0], warn
-    # The other side was started with --context-length <= its pool: no clamp, no warning.
-    other = pd_case.stack.decode if pd_case.clamped == "prefill" else pd_case.stack.prefill
-    assert Limits.of(other.url).context_length == other.config.context_length
-    assert "lowering the effective context length" not in other.process.log_text()
 
 
-# --------------------------------------------------------------------------- logic only
-
-
-def _args(mode: str, clamp: bool = False, reserved: int = 512) -> SimpleNamespace:
-    return SimpleNamespace(disaggregation_mode=mode, num_reserved_decode_tokens=reserved,
-                           disaggregation_clamp_context_to_kv_capacity=clamp)
-
-
-@pytest.mark.parametrize("mode", ["prefill", "decode"])
-def test_enforce_refuses_pd_below_context(mode):
-    with pytest.raises(admission.CapacityInvariantError) as e:
-        admission.enforce_kv_capacity(_args(mode), 600, 4096)
-    msg = str(e.value)
-    assert "holds 600 tokens" in msg and "context length 4096" in msg
-    assert "--context-length" in msg and CLAMP in msg
-
-
-def test_enforce_clamps_with_flag_and_leaves_colocated_alone():
-    assert admission.enforce_kv_capacity(_args("prefill", clamp=True), 600, 4096) == 600
-    assert admission.enforce_kv_capacity(_args("null"), 600, 4096) == 4096
-    assert admission.enforce_kv_capacity(_args("decode"), 4096, 4096) == 4096
-
-
-def test_enforce_refuses_decode_pool_not_above_reserved_decode_tokens():
-    """Such a decode server could never pre-allocate a request (its warmup hangs upstream)."""
-    with pytest.raises(admission.CapacityInvariantError) as e:
-        admission.enforce_kv_capacity(_args("decode", clamp=True), 512, 4096)
-    assert "--num-reserved-decode-tokens 512" in str(e.value)
-    assert admission.enforce_kv_capacity(_args("prefill", clamp=True), 512, 4096) == 512
+def test_shared_pd_stacks_run_the_default_configuration(pd_case):
+    """The admission PD stacks (see conftest) run without the clamp flag: their context length
+    is what they were given (<= the pool), nothing is clamped and nothing says so."""
+    for side in (pd_case.stack.prefill, pd_case.stack.decode):
+        assert CLAMP not in side.process.argv, side.process.argv
+        assert Limits.of(side.url).context_length == side.config.context_length
+        assert side.config.context_length <= side.config.max_total_tokens
+        assert "lowering the effective context length" not in side.process.log_text()

@@ -1,6 +1,6 @@
 """Fixtures for the model-free KV transfer tests: one process pair per backend per session.
 
-Each pair hosts one lane per page size in ``PAGE_SIZES`` (see ``harness.kv_harness.KVPair``).
+Each pair hosts one lane per page size in ``PAGE_SIZES`` (see ``pdsafe_testkit.kv.KVPair``).
 The pairs of all backends the session needs are launched together at the first use, so their
 (slow, CPU-bound) imports overlap; each test then waits only for its own backend.
 
@@ -11,17 +11,11 @@ that failed to start fails the tests of its backend only, with both children's l
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
-
-_TEST_ROOT = str(Path(__file__).resolve().parents[1])
-if _TEST_ROOT not in sys.path:
-    sys.path.insert(0, _TEST_ROOT)
-
-from harness.kv_harness import BACKENDS, HarnessError, KVLane, KVPair  # noqa: E402
+from pdsafe_testkit.backends import BACKENDS
+from pdsafe_testkit.kv import HarnessError, KVLane, KVPair
 
 PAGE_SIZES: tuple[int, ...] = (1, 16, 64)
 NUM_PAGES = 64

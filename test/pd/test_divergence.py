@@ -7,9 +7,11 @@ fewer positions than decode reserved, and decodes over pages nobody wrote for th
 Stacks (dedicated, module-scoped, one alive at a time, on both backends):
 
 * ``incident``: the incident's configuration: prefill pool 320 tokens, decode pool 1024, page
-  size 1, ``--allow-auto-truncate`` on both sides, a 400-token prompt. Request B runs first so
-  that A (allocated B's freed pages, in order) would read B's KV in the positions prefill did
-  not write.
+  size 1, ``--allow-auto-truncate`` on both sides, a 400-token prompt. Every PD server runs with
+  ``--context-length`` equal to its pool unless stated (a PD server refuses to start with a
+  pool smaller than its context length; the operator's remedy, not the clamp flag). Request
+  B runs first so that A (allocated B's freed pages, in order) would read B's KV in the
+  positions prefill did not write.
 * ``cfgdiv``: page size 16, prefill ``--context-length 106`` and another ``--chat-template``
   than decode; a 105-token prompt diverges inside the last partial page (7 pages either way).
   Requests go to prefill and decode directly (what the router does): the SMG router retries a
@@ -32,45 +34,31 @@ from typing import Any
 
 import pytest
 import requests
-from harness.oracle import Oracle, Verdict, random_prompt
-from harness.servers import (
+from pdsafe_testkit.backends import BACKENDS
+from pdsafe_testkit.metrics import metric_total
+from pdsafe_testkit.oracle import Oracle, Verdict, random_prompt
+from pdsafe_testkit.servers import (
     GenResult,
+    Limits,
     PDStack,
     ServerConfig,
     direct_pd_generate,
     generate,
-    metric_total,
     pd_stack,
+    skip_pair_check,
 )
 
 pytestmark = pytest.mark.server
 
-BACKENDS = ["mooncake", "nixl"]
 MAX_NEW = 16
 PREFILL_CTX = 106  # prefill's scheduler limit: min(106 - 1, pool - 1) - 5 = 100 tokens
 CHAT_P = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1 w2"
 CHAT_D = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1 w2 w3 w4 w5"
 
 
-def _find(obj: Any, key: str) -> Any:
-    """First value of ``key`` anywhere in a JSON document (server_info nests it)."""
-    if isinstance(obj, dict):
-        if key in obj:
-            return obj[key]
-        obj = list(obj.values())
-    if isinstance(obj, list):
-        for v in obj:
-            found = _find(v, key)
-            if found is not None:
-                return found
-    return None
-
-
 def max_req_input_len(url: str) -> int:
-    info = requests.get(url + "/server_info", timeout=30).json()
-    value = _find(info, "max_req_input_len")
-    assert isinstance(value, int), f"no max_req_input_len in /server_info of {url}"
-    return value
+    """The shortest prompt the server refuses, as it advertises it (/model_info)."""
+    return Limits.of(url).max_req_input_len
 
 
 COVERAGE_COUNTER = "sglang:pdsafe_coverage_mismatch_total"
@@ -89,9 +77,10 @@ class Stacks:
         m = self.model_path
         if name == "incident":
             return (ServerConfig(role="prefill", model_path=m, max_total_tokens=320,
-                                 allow_auto_truncate=True),
+                                 context_length=320, allow_auto_truncate=True),
                     ServerConfig(role="decode", model_path=m, max_total_tokens=1024,
-                                 allow_auto_truncate=True), True)
+                                 context_length=1024, allow_auto_truncate=True,
+                                 env=skip_pair_check("context_length")), True)
         if name == "cfgdiv":
             p_tpl, d_tpl = self.tmp / "prefill.jinja", self.tmp / "decode.jinja"
             p_tpl.write_text(CHAT_P)
@@ -101,14 +90,17 @@ class Stacks:
                                  allow_auto_truncate=True,
                                  extra_args=["--chat-template", str(p_tpl)]),
                     ServerConfig(role="decode", model_path=m, max_total_tokens=1024,
-                                 page_size=16, allow_auto_truncate=True,
-                                 extra_args=["--chat-template", str(d_tpl)]), False)
+                                 page_size=16, context_length=1024, allow_auto_truncate=True,
+                                 extra_args=["--chat-template", str(d_tpl)],
+                                 env=skip_pair_check("context_length", "chat_template")), False)
         if name == "page64":
             return (ServerConfig(role="prefill", model_path=m, max_total_tokens=1024,
                                  page_size=64, context_length=PREFILL_CTX,
                                  allow_auto_truncate=True),
                     ServerConfig(role="decode", model_path=m, max_total_tokens=1024,
-                                 page_size=64, allow_auto_truncate=True), False)
+                                 page_size=64, context_length=1024,
+                                 allow_auto_truncate=True,
+                                 env=skip_pair_check("context_length")), False)
         raise KeyError(name)
 
     def get(self, name: str) -> PDStack:
@@ -190,7 +182,6 @@ def check_normal_traffic(url_or_stack: Any, oracle: Oracle, model_path: Path, li
 # --------------------------------------------------------------------------- (1) the incident
 
 
-@pytest.mark.stock_leak
 def test_incident_auto_truncate_divergence_is_refused(stacks, oracle, model_path):
     """Prefill pool 320 / decode pool 1024 / page 1 / auto-truncate: 400-token prompt A.
 

@@ -11,8 +11,14 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from harness.oracle import Verdict, random_prompt
-from harness.servers import SHARED_DECODE_POOL, direct_pd_generate, generate
+from pdsafe_testkit.oracle import Verdict, random_prompt
+from pdsafe_testkit.servers import (
+    SHARED_DECODE_POOL,
+    ServerConfig,
+    direct_pd_generate,
+    generate,
+    pd_stack,
+)
 
 pytestmark = pytest.mark.server
 
@@ -68,15 +74,13 @@ def test_oracle_sees_injected_foreign_kv(pd, oracle, model_path):
 @pytest.mark.parametrize("backend,page_size", [("mooncake", 64), ("nixl", 16)])
 def test_larger_pages_match_reference(backend, page_size, oracle, model_path, log_dir):
     """Paged pools (16, 64 tokens a page): partial last pages and page reuse stay exact."""
-    from harness.servers import ServerConfig, pd_stack
-
     pool = 1024  # 12 requests of up to 150+24 tokens overfill it: pages are reused
     with pd_stack(
         backend, log_dir, with_router=False,
         prefill=ServerConfig(role="prefill", model_path=model_path, page_size=page_size,
-                             max_total_tokens=pool),
+                             max_total_tokens=pool, context_length=pool),
         decode=ServerConfig(role="decode", model_path=model_path, page_size=page_size,
-                            max_total_tokens=pool),
+                            max_total_tokens=pool, context_length=pool),
     ) as stack:
         rng = random.Random(page_size)
         prompts = [random_prompt(rng, rng.randint(17, 150), model_path) for _ in range(12)]
@@ -85,3 +89,18 @@ def test_larger_pages_match_reference(backend, page_size, oracle, model_path, lo
             results = list(ex.map(lambda p: direct_pd_generate(stack, p, MAX_NEW)[1], prompts))
         for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
             oracle.assert_identical(r, p, MAX_NEW, what=f"{backend} page {page_size} req {i}")
+
+
+def test_startup_report_and_hook_self_check_ran(pd):
+    """The startup hook (last patch of the series) ran on both PD legs: the hook-API
+    self-check passed and the active protections were logged, peer release and pair
+    agreement among them (an operator reads this line to know what guards the server)."""
+    for leg in (pd.prefill, pd.decode):
+        log = leg.process.log_text()
+        assert "pdsafe hook API self-check:" in log, f"{pd.backend} {leg.config.role}: " \
+            "no hook-API self-check in the startup log"
+        line = next((x for x in log.splitlines() if "protections active:" in x), "")
+        for name in ("no-placeholder-handoff", "coverage-attestation", "peer-release",
+                     "pair-agreement"):
+            assert name in line, f"{pd.backend} {leg.config.role}: {name!r} missing from " \
+                f"the startup report: {line!r}"

@@ -24,6 +24,9 @@ Three things live here, each hooked into upstream SGLang by a thin patch:
 * **Advertised limits** (``scheduler_limits`` -> scheduler init info -> ``adopt_scheduler_limits``
   in the tokenizer process -> ``advertised_limits`` in ``/model_info`` and ``/server_info``), so
   a router can align prefill and decode.
+
+No module state: every limit is a return value that its caller keeps (the tp worker keeps the
+effective context length and the KV capacity) and passes on explicitly.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import logging
 from typing import Any
 
 from sglang.pdsafe import metrics
-from sglang.pdsafe.protections import Protection, is_pd, register
+from sglang.pdsafe.protections import Protection, is_pd, pd_mode, register
 
 logger = logging.getLogger("sglang.pdsafe.admission")
 
@@ -179,10 +182,6 @@ class CapacityInvariantError(RuntimeError):
     """A PD server's KV pool cannot hold one request of its context length."""
 
 
-#: What the scheduler process computed (one target worker per scheduler process).
-_scheduler_limits: dict[str, int] = {}
-
-
 def enforce_kv_capacity(server_args: Any, kv_capacity: int, context_len: int) -> int:
     """Return the effective context length for a KV pool of ``kv_capacity`` tokens.
 
@@ -194,9 +193,13 @@ def enforce_kv_capacity(server_args: Any, kv_capacity: int, context_len: int) ->
     * otherwise (co-located): unchanged; upstream's warning follows.
 
     A decode server whose pool is not larger than ``--num-reserved-decode-tokens`` also refuses
-    to start (its pre-allocation can never fit a request; see ``decode_input_limit``).
+    to start (its pre-allocation can never fit a request; see ``sglang.pdsafe.limits.pd_input_limit``).
+
+    Pure apart from the log and the exception: the caller keeps the returned value (the tp
+    worker stores it as its ``model_config.context_len``) and passes it on explicitly
+    (``scheduler_limits``). A mode that cannot be read raises ``PDModeUnknownError``.
     """
-    _scheduler_limits["kv_capacity"] = int(kv_capacity)
+    mode = pd_mode(server_args)
     effective = int(context_len)
     if kv_capacity < context_len:
         if getattr(server_args, CLAMP_FIELD, False):
@@ -207,9 +210,9 @@ def enforce_kv_capacity(server_args: Any, kv_capacity: int, context_len: int) ->
                 kv_capacity, context_len, kv_capacity, CLAMP_FLAG, kv_capacity,
             )
             effective = int(kv_capacity)
-        elif is_pd(server_args):
+        elif mode != "null":
             raise CapacityInvariantError(
-                f"pdsafe: refusing to start this {server_args.disaggregation_mode} server: its KV "
+                f"pdsafe: refusing to start this {mode} server: its KV "
                 f"pool holds {kv_capacity} tokens, fewer than its context length {context_len}, "
                 f"so one full-length request cannot fit and the two sides of the PD pair could "
                 f"admit different prompts. Either lower --context-length to at most "
@@ -217,8 +220,8 @@ def enforce_kv_capacity(server_args: Any, kv_capacity: int, context_len: int) ->
                 f"--mem-fraction-static), or pass {CLAMP_FLAG} to lower the effective context "
                 f"length to {kv_capacity} (logged and advertised in /model_info)."
             )
-    if getattr(server_args, "disaggregation_mode", "null") == "decode":
-        reserved = int(getattr(server_args, "num_reserved_decode_tokens", 0) or 0)
+    if mode == "decode":
+        reserved = int(server_args.num_reserved_decode_tokens)
         if kv_capacity <= reserved:
             # Decode pre-allocates prompt pages + the reserved decode tokens: nothing fits,
             # not even the startup warmup (upstream waits forever, /health stays 503).
@@ -229,46 +232,23 @@ def enforce_kv_capacity(server_args: Any, kv_capacity: int, context_len: int) ->
                 f"(--max-total-tokens / --mem-fraction-static) or lower "
                 f"--num-reserved-decode-tokens."
             )
-    _scheduler_limits["context_len"] = effective
     return effective
 
 
-def decode_input_limit(server_args: Any, kv_capacity: int, max_req_input_len: int,
-                       page_size: int = 1) -> int:
-    """A PD decode server's real ``max_req_input_len``: its pre-allocation must ever fit.
+def scheduler_limits(max_req_input_len: int | None, context_len: int | None,
+                     kv_capacity: int | None) -> dict[str, Any]:
+    """Extra keys for the scheduler's init info (read by the tokenizer process).
 
-    Decode pre-allocates a request's prompt pages plus ``--num-reserved-decode-tokens``
-    (``DecodePreallocQueue._required_admission_tokens``) and waits until that fits; on an idle
-    server the budget is the whole pool, so a prompt with
-    ``ceil_page(len) + num_reserved_decode_tokens > kv_capacity`` can never be pre-allocated
-    and used to wait forever (decode holds the client, prefill holds its bootstrap). Lowering
-    the limit to ``floor_page(kv_capacity - reserved) + 1`` makes such prompts refused at
-    HTTP (400) and at the scheduler door instead. Other modes: unchanged.
+    All three values are passed explicitly by the scheduler from its target worker
+    (``max_req_input_len`` from ``get_worker_info()``, ``context_len`` = the worker's effective
+    ``model_config.context_len`` after ``enforce_kv_capacity``, ``kv_capacity`` = the worker's
+    ``pdsafe_kv_capacity``); nothing is kept between calls. ``None`` leaves a key out.
     """
-    if getattr(server_args, "disaggregation_mode", "null") != "decode":
-        return max_req_input_len
-    reserved = int(getattr(server_args, "num_reserved_decode_tokens", 0) or 0)
-    page = max(1, int(page_size or 1))
-    fits = (kv_capacity - reserved) // page * page  # longest prompt decode can pre-allocate
-    limit = min(max_req_input_len, fits + 1)
-    if limit < max_req_input_len:
-        logger.warning(
-            "decode: prompts are limited to %d tokens (max_req_input_len %d -> %d): "
-            "pre-allocation needs the prompt's pages plus --num-reserved-decode-tokens %d "
-            "in a KV pool of %d tokens. Raise --max-total-tokens or lower "
-            "--num-reserved-decode-tokens to accept longer prompts.",
-            max(limit - 1, 0), max_req_input_len, limit, reserved, kv_capacity,
-        )
-    return max(limit, 1)
-
-
-def scheduler_limits(max_req_input_len: int | None) -> dict[str, Any]:
-    """Extra keys for the scheduler's init info (read by the tokenizer process)."""
     out: dict[str, Any] = {}
-    if "context_len" in _scheduler_limits:
-        out["pdsafe_context_len"] = _scheduler_limits["context_len"]
-    if "kv_capacity" in _scheduler_limits:
-        out["pdsafe_kv_capacity"] = _scheduler_limits["kv_capacity"]
+    if context_len is not None:
+        out["pdsafe_context_len"] = int(context_len)
+    if kv_capacity is not None:
+        out["pdsafe_kv_capacity"] = int(kv_capacity)
     if max_req_input_len is not None:
         out["pdsafe_max_prompt_tokens"] = int(max_req_input_len) - 1
     return out

@@ -27,6 +27,15 @@ What is trusted (server-built requests):
   per-server secret header ``INTERNAL_HEADER`` (``internal_headers()``), generated at startup
   and never sent to clients.
 
+Where the secret lives: in this module's memory only, never in ``os.environ`` (an environment
+is inherited by every child process and readable in ``/proc/<pid>/environ``). The process that
+serves HTTP generates it on first use. With ``--tokenizer-worker-num > 1`` the launcher hands
+it to its HTTP worker processes the way it hands them everything else: inside the scheduler
+info it writes to the workers' argument segment (shared memory, mode 0600, unlinked at
+shutdown; ``worker_handoff()`` adds it there), and each worker takes it out again before it
+keeps that dict (``adopt_worker_handoff()``), so it never appears in ``/server_info``. A
+worker that has not adopted a secret accepts no internal header at all.
+
 Invariant: a request whose body came from an HTTP client never reaches the scheduler with the
 fake bootstrap host or a health-check rid; it is refused with 400 and counted in
 ``rejected_spoofed_bootstrap_host_total`` / ``rejected_spoofed_rid_total``.
@@ -36,32 +45,45 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import secrets
+import threading
 from collections.abc import Iterable
 from typing import Any
 
 from sglang.pdsafe import metrics
 from sglang.pdsafe.admission import AdmissionError
 from sglang.pdsafe.protections import Protection, register
+from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
 logger = logging.getLogger("sglang.pdsafe.client_guard")
 
-# Same values as sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST and
-# sglang.srt.constants.HEALTH_CHECK_RID_PREFIX (imported lazily below; test_client_guard
-# checks they stay equal).
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"
-HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+# The two server-internal markers are upstream's own constants, imported (fail closed: if a
+# rebase moves them, importing this module fails loudly instead of guarding a stale value).
+# Other pdsafe modules take FAKE_BOOTSTRAP_HOST from here.
+__all__ = [
+    "FAKE_BOOTSTRAP_HOST",
+    "HEALTH_CHECK_RID_PREFIX",
+    "INTERNAL_HEADER",
+    "SpoofedInternalFieldError",
+    "adopt_worker_handoff",
+    "check_client_request",
+    "internal_headers",
+    "is_server_built",
+    "worker_handoff",
+]
 
 INTERNAL_HEADER = "x-sglang-pdsafe-internal"
-TOKEN_ENV = "SGLANG_PDSAFE_INTERNAL_TOKEN"
+#: Key of the secret in the scheduler info the launcher hands its HTTP worker processes.
+HANDOFF_KEY = "pdsafe_internal_token"
 #: Paths of endpoints that build their generation request in-process (GET, no body).
 SERVER_BUILT_PATHS = frozenset({"/health", "/health_generate"})
 SERVER_BUILT_ENDPOINTS = frozenset({"health_generate"})
 
-# One secret per server: set in the launching process before any tokenizer worker process is
-# spawned, so workers (which inherit the environment) accept the warmup the launcher sends.
-_TOKEN: str = os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(32))
+# One secret per server, in this module's memory only (see module doc). None until first use;
+# "" in an HTTP worker that was handed none (it then sends and accepts no internal header).
+_TOKEN: str | None = None
+_token_lock = threading.Lock()
 
 register(Protection(
     name="client-bypass-guard",
@@ -71,28 +93,48 @@ register(Protection(
 ))
 
 
-def _sync_constants() -> None:
-    global FAKE_BOOTSTRAP_HOST, HEALTH_CHECK_RID_PREFIX
-    try:
-        from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX as rid_prefix
-        from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST as fake_host
-    except Exception:  # pragma: no cover - keep the defaults if upstream moves them
-        return
-    FAKE_BOOTSTRAP_HOST, HEALTH_CHECK_RID_PREFIX = fake_host, rid_prefix
-
-
-_sync_constants()
-
-
 class SpoofedInternalFieldError(AdmissionError):
     """A client request carried a server-internal marker."""
 
     error_code = "server_internal_field"
 
 
+def _token() -> str:
+    """This server's secret, generated on first use (32 random bytes, url-safe); "" in an
+    HTTP worker that was handed none."""
+    global _TOKEN
+    with _token_lock:
+        if _TOKEN is None:
+            _TOKEN = secrets.token_urlsafe(32)
+        return _TOKEN
+
+
 def internal_headers() -> dict[str, str]:
     """Headers that mark a request the server sends to itself (startup warmup)."""
-    return {INTERNAL_HEADER: _TOKEN}
+    token = _token()
+    return {INTERNAL_HEADER: token} if token else {}
+
+
+def worker_handoff() -> dict[str, str]:
+    """Launcher side: the entry to add to the scheduler info handed to HTTP worker processes
+    (``write_data_for_multi_tokenizer``), so every worker accepts the same warmup header."""
+    return {HANDOFF_KEY: _token()}
+
+
+def adopt_worker_handoff(scheduler_info: dict[str, Any]) -> None:
+    """Worker side: take this server's secret out of the scheduler info the launcher handed
+    over (``init_multi_tokenizer``), before the dict is kept or served (``/server_info``).
+
+    Without the entry (a launcher without ``worker_handoff``) this worker trusts no internal
+    header: its warmup and the other workers' are then refused like any client's (fail closed).
+    """
+    global _TOKEN
+    token = scheduler_info.pop(HANDOFF_KEY, None)
+    with _token_lock:
+        _TOKEN = token if isinstance(token, str) and token else ""
+    if not _TOKEN:
+        logger.error("pdsafe: the launcher handed this HTTP worker no internal token; the "
+                     "server's own warmup requests will be refused here as client requests")
 
 
 def _values(v: Any) -> Iterable[Any]:
@@ -115,14 +157,9 @@ def is_server_built(request: Any) -> bool:
         if path in SERVER_BUILT_PATHS or name in SERVER_BUILT_ENDPOINTS:
             return True
     headers = getattr(request, "headers", None)
-    if headers is not None:
-        try:
-            got = headers.get(INTERNAL_HEADER)
-        except Exception:
-            got = None
-        if got and hmac.compare_digest(str(got), _TOKEN):
-            return True
-    return False
+    got = headers.get(INTERNAL_HEADER) if headers is not None else None
+    token = _TOKEN  # a worker that adopted no secret has none: nothing matches
+    return bool(got and token and hmac.compare_digest(str(got), token))
 
 
 def check_client_request(obj: Any, request: Any) -> None:

@@ -277,23 +277,24 @@ def verify(row: Sequence[int], reservation: Coverage, rid: str = "?") -> Verdict
 _RESERVATION_ATTR = "_pdsafe_coverage_reservation"
 
 
-def decode_token_ids(queue: Any, req: Any) -> list[int]:
-    """Tokens decode reserved KV for: the prompt, plus the outputs on a re-bootstrap."""
-    end = len(req.origin_input_ids)
-    fn = getattr(type(queue), "_rebootstrap_prefill_len", None)
-    if fn is not None:
-        end = int(fn(req))
+def decode_token_ids(req: Any, reserved_len: int) -> list[int]:
+    """Tokens decode reserved KV for: the first ``reserved_len`` of prompt + outputs (the
+    prompt alone, or prompt and outputs on a re-bootstrap; upstream computes the length)."""
     ids = list(req.origin_input_ids)
-    if end > len(ids):
+    if reserved_len > len(ids):
         ids += list(req.output_ids)
-    return ids[:end]
+    return ids[:reserved_len]
 
 
-def note_reservation_hook(queue: Any, decode_req: Any, page_indices: Sequence[int],
-                          page_size: int, decode_prefix_len: int | None) -> None:
-    """Decode, right before its metadata goes to prefill: remember what it reserved."""
+def note_reservation_hook(decode_req: Any, page_indices: Sequence[int], page_size: int,
+                          decode_prefix_len: int | None, reserved_len: int) -> None:
+    """Decode, right before its metadata goes to prefill: remember what it reserved.
+
+    ``reserved_len`` is the token count decode reserved KV for
+    (``DecodePreallocQueue._rebootstrap_prefill_len``, passed by the patch).
+    """
     req = decode_req.req
-    ids = decode_token_ids(queue, req)
+    ids = decode_token_ids(req, int(reserved_len))
     cov = build_coverage(req.bootstrap_room, ids, int(decode_prefix_len or 0), len(ids),
                          int(page_size), page_count=len(page_indices))
     setattr(decode_req, _RESERVATION_ATTR, cov)
@@ -332,11 +333,11 @@ def admit(transfer_queue: Any, decode_req: Any) -> bool:
     Returns False when the request must not decode (it is then already aborted with
     ``REFUSAL_STATUS`` through upstream's ``prepare_abort``, like the bootstrap-room mismatch).
     """
-    from sglang.srt.disaggregation.utils import _is_fake_transfer, prepare_abort
+    from sglang.srt.disaggregation.utils import prepare_abort
 
     req = decode_req.req
-    if _is_fake_transfer(req):
-        return True  # nothing was transferred (server warmup); see the spoofing guard
+    # The patch does not call the gate for a fake transfer (server warmup; clients cannot
+    # request one, see client_guard): every request that reaches here carries real KV.
     verdict = check_commit_hook(transfer_queue, decode_req)
     if verdict.ok:
         return True

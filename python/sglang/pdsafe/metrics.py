@@ -25,10 +25,6 @@ COUNTERS: dict[str, str] = {
     # admission (issue #3)
     "rejected_over_capacity_http_total":
         "Requests rejected at the HTTP layer: prompt longer than max_req_input_len.",
-    "rejected_over_capacity_prefill_door_total":
-        "PD requests rejected at the prefill scheduler door (over KV capacity).",
-    "rejected_over_capacity_decode_door_total":
-        "PD requests rejected at the decode scheduler door (over KV capacity).",
     "coverage_mismatch_total":
         "Transfers refused at decode commit: prefill wrote a different token range than "
         "decode reserved (room, token count, page count or nonce differ).",
@@ -46,6 +42,20 @@ COUNTERS: dict[str, str] = {
         "send failed); that peer frees only at its own timeout.",
     "placeholder_blocked_total":
         "Aborted requests stopped before a KV sender/receiver was created for them.",
+    # named hook API (issue #7)
+    "hook_api_mismatch_total":
+        "pdsafe hooks that found upstream in a different shape than this build's patches expect "
+        "(missing method or attribute, changed signature, moved module); the hook did nothing "
+        "and upstream's behaviour applied. Operator: the fork's patches and the installed "
+        "upstream disagree; reinstall the fork wheel built from the matching release.",
+    # liveness: pair agreement (issue #7, finding 14)
+    "pair_setting_mismatch_total":
+        "Prefills a decode refused to pair with because a setting both PD legs must share "
+        "differs (page size, KV dtype/layout, context length, chat template, pdsafe wire "
+        "version); counted once per prefill and mismatch, logged with both values.",
+    "pair_agreement_failed_total":
+        "Pair-agreement hooks that failed (publishing, comparing or refusing raised); "
+        "upstream's pairing behaviour applied.",
 }
 HISTOGRAMS: dict[str, str] = {
     "peer_release_latency_seconds":
@@ -71,7 +81,9 @@ def _metric(name: str) -> Any | None:
                 m = Histogram(PREFIX + name, HISTOGRAMS[name],
                               buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
         except Exception as e:  # registry unavailable or duplicate: count locally only
-            logger.debug("pdsafe metric %s not exported: %s", name, e)
+            # Counting never depends on export (value() still counts); an operator whose
+            # alerts read /metrics must hear that this one is missing (once per name).
+            logger.warning("pdsafe metric %s is not exported to /metrics: %s", name, e)
             m = None
         _prom[name] = m
         return m

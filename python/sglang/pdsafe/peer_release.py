@@ -9,23 +9,27 @@ can send over-long prompts can pin the other side's memory that way (a DoS lever
 router the peer is freed only when its HTTP connection is dropped and the tokenizer's disconnect
 poll notices (seconds), and a direct client of the peer just hangs.
 
-This module closes it through the backends' existing control channel, in the common layer
-(``disaggregation/common/conn.py``), so Mooncake, NIXL, MORI and Ascend run the same logic:
+Peer release closes it through the backends' existing control channel, in the common layer
+(``disaggregation/common/conn.py``), so Mooncake, NIXL, MORI and Ascend run the same logic. It
+is three modules:
 
-* **prefill -> decode**: the prefill remembers every room it refused or aborted before the
-  transfer (``prefill_rejected``, with an expiry) and answers decode's bootstrap metadata for
-  that room with a ``Failed`` KV status carrying the reason, at once if the metadata is already
-  there, else the moment it arrives (``on_metadata_complete``). Decode then fails the request
-  with that reason and frees its pages through upstream's deferred-release ABORT/ABORT_ACK.
-* **decode -> prefill**: a decode that refuses a request at its door, aborts it before it knew
-  the prefill ranks, or whose HTTP layer refuses it, sends a bare ``ABORT(room)`` frame (the
-  upstream ABORT tag; every backend's prefill control thread already routes it) to every
-  prefill rank that may own the room (``notify_prefill``). The prefill fails the room's sender
-  at once, or the sender created later for it (``on_sender_created``).
-* **HTTP layer**: a request refused before it reached the scheduler (``on_http_undelivered``,
-  called from ``TokenizerManager._release_req_states_on_failure``): a prefill sends the same
-  bare ABORT to its own ranks (its scheduler then answers decode as above); a decode sends it
-  to the prefill named in the request.
+* this one, the **prefill side**: the prefill remembers every room it refused or aborted before
+  the transfer (``prefill_rejected``, with an expiry) and answers decode's bootstrap metadata
+  for that room with a ``Failed`` KV status carrying the reason, at once if the metadata is
+  already there, else the moment it arrives (``on_metadata_complete``). Decode then fails the
+  request with that reason and frees its pages through upstream's deferred-release
+  ABORT/ABORT_ACK. A bare ABORT from decode (or from this prefill's own HTTP layer) fails the
+  room's sender at once, or the sender created later for it (``on_abort_message``,
+  ``on_sender_created``).
+* :mod:`sglang.pdsafe.peer_notifier`, the **decode / HTTP side**: a decode that refuses a
+  request at its door, aborts it before it knew the prefill ranks, or whose HTTP layer refuses
+  it, sends a bare ``ABORT(room)`` to every prefill rank that may own the room; a prefill's HTTP
+  layer sends it to its own ranks. Its public hooks are re-exported here.
+* :mod:`sglang.pdsafe.peer_release_wire`: the bare ABORT frame, the switch, the counters.
+
+This module reaches upstream only through public members and the named methods that patch
+0014 adds to ``CommonKVManager`` (``pdsafe_decode_endpoints``, ``pdsafe_send_failed_status``,
+``pdsafe_forget_room``, ``pdsafe_room_status``), declared below for the startup self-check.
 
 Invariant: when one side refuses or aborts a PD request before its KV was sent, the other side
 is told through the control channel (once per room), so it fails the request with an explicit
@@ -42,43 +46,72 @@ Off switch (default on): ``SGLANG_PDSAFE_PEER_RELEASE=0`` (logged as a warning a
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from sglang.pdsafe import metrics
-from sglang.pdsafe.protections import Protection, is_pd, register
+from sglang.pdsafe.hook_api import guarded, require
+from sglang.pdsafe.peer_notifier import (  # noqa: F401 - the patches' call sites use these names
+    decode_rejected,
+    finish_message,
+    is_fake_bootstrap,
+    notify_prefill,
+    on_http_undelivered,
+    on_receiver_aborted,
+)
+from sglang.pdsafe.peer_release_wire import (  # noqa: F401 - re-exported for the call sites
+    ABORT_TAG,
+    ENV_ENABLE,
+    FAILED,
+    ORIGIN_HTTP,
+    ORIGIN_LOCAL,
+    ORIGIN_PEER,
+    WIRE_PREFIX,
+    count_notified,
+    enabled,
+    notify_failed,
+    parse_abort,
+    wire_frame,
+)
 
 logger = logging.getLogger("sglang.pdsafe.peer_release")
 
-ENV_ENABLE = "SGLANG_PDSAFE_PEER_RELEASE"
 ENV_TTL = "SGLANG_PDSAFE_PEER_RELEASE_TTL"
 #: Default lifetime of a refused room: a decode may publish its metadata late (its prealloc
 #: queue can wait for memory), so keep the answer ready well past upstream's 300 s timeouts.
 DEFAULT_TTL_S = 600.0
 #: Bound on remembered rooms per prefill manager (oldest dropped first, counted).
 MAX_ROOMS = 65536
-#: Wire marker of our bare ABORT's third frame. Upstream's ``AbortNotification.from_zmq``
-#: reads a 3-frame ABORT as room-only, so an unpatched prefill still aborts the room.
-WIRE_PREFIX = b"pdsafe-reject:v1:"
-ABORT_TAG = b"ABORT"
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # upstream disaggregation.utils.FAKE_BOOTSTRAP_HOST
 
-ORIGIN_LOCAL = "local"  # this prefill's scheduler refused or aborted the request
-ORIGIN_HTTP = "http"  # this prefill's own HTTP layer refused it (bare ABORT to itself)
-ORIGIN_PEER = "peer"  # the decode side refused or aborted it
+_KV_MANAGER = "sglang.srt.disaggregation.common.conn.CommonKVManager"
+require(_KV_MANAGER,
+        "pdsafe_decode_endpoints(bootstrap_room)",
+        "pdsafe_send_failed_status(bootstrap_room, endpoints, message)",
+        "pdsafe_forget_room(bootstrap_room)",
+        "pdsafe_room_status(bootstrap_room)",
+        why="the prefill answers decode's metadata for a refused room with Failed and drops it "
+            "(patch 0014's named API)")
+require(_KV_MANAGER, "record_failure(bootstrap_room, failure_reason)",
+        "update_status(bootstrap_room, status)",
+        why="a room refused or aborted on the other side fails its sender with the reason")
+require(_KV_MANAGER, "pdsafe_on_abort_message(msg)",
+        "pdsafe_failure_reason_or(bootstrap_room, default)",
+        why="the backends' prefill ABORT handlers route ABORT frames to on_abort_message, and "
+            "NIXL's keeps the reason it recorded (patch 0014)")
+require("sglang.srt.disaggregation.base.conn.KVPoll", "Failed", "Success",
+        why="room states peer release reads and sets")
+
+_guard = {"failure_counter": FAILED}
 
 
-def enabled() -> bool:
-    """Peer release is on unless ``SGLANG_PDSAFE_PEER_RELEASE`` is 0/false/off/no."""
-    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in ("0", "false", "off", "no")
+def _wire(origin: str, reason: str) -> bytes:
+    """Kept for callers of the pre-split module (tests): see ``peer_release_wire.wire_frame``."""
+    return wire_frame(origin, reason)
 
 
 def _ttl_s() -> float:
@@ -86,55 +119,6 @@ def _ttl_s() -> float:
         return max(1.0, float(os.environ.get(ENV_TTL, DEFAULT_TTL_S)))
     except ValueError:
         return DEFAULT_TTL_S
-
-
-register(Protection(
-    name="peer-release",
-    guards="a PD request refused or aborted on one side before its KV transfer is failed on "
-           "the other side at once through the KV control channel, which frees its pages",
-    is_active=lambda server_args: is_pd(server_args) and enabled(),
-    disabled_by=f"{ENV_ENABLE}=0",
-))
-
-
-def _count_notified(t0_monotonic: float | None = None, t0_wall: float | None = None) -> None:
-    metrics.inc("peer_notified_release_total")
-    if t0_monotonic is not None:
-        metrics.observe("peer_release_latency_seconds", max(0.0, time.monotonic() - t0_monotonic))
-    elif t0_wall is not None:
-        metrics.observe("peer_release_latency_seconds", max(0.0, time.time() - t0_wall))
-
-
-def _hook(default: Any = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Hooks run inside upstream's scheduler, control threads and exception handlers: a bug
-    here must never take those down or replace the error being handled. It is logged and
-    counted instead, and the caller gets ``default`` (upstream's behaviour)."""
-
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001
-                metrics.inc("peer_release_notify_failed_total")
-                logger.exception("pdsafe peer release: %s failed (%s); the peer falls back to "
-                                 "its timeout", fn.__name__, e)
-                return default
-
-        return inner
-
-    return wrap
-
-
-def _notify_failed(what: str, err: Any) -> None:
-    metrics.inc("peer_release_notify_failed_total")
-    logger.warning(
-        "pdsafe peer release: could not %s (%s). The peer keeps its reservation until its "
-        "own timeout (SGLANG_DISAGGREGATION_WAITING_TIMEOUT / _BOOTSTRAP_TIMEOUT); check that "
-        "the prefill bootstrap server and the KV control ports are reachable.", what, err)
-
-
-# =========================================================================== prefill side
 
 
 @dataclass
@@ -165,7 +149,7 @@ class _Registry:
                 return
             self.rooms.popitem(last=False)
             if rec.expires > now and not rec.answered and rec.origin != ORIGIN_PEER:
-                metrics.inc("peer_release_notify_failed_total")
+                metrics.inc(FAILED)
                 logger.warning("pdsafe peer release: more than %d refused rooms remembered; "
                                "dropped room %s before its decode asked for it", MAX_ROOMS, room)
 
@@ -192,6 +176,10 @@ class _Registry:
                 return None
             return rec
 
+    def is_live(self, room: int) -> bool:
+        with self.lock:
+            return room in self.live
+
     def claim_targets(self, rec: _Room,
                       targets: list[tuple[str, int]]) -> tuple[list[tuple[str, int]], bool]:
         """The decode endpoints not told yet (each is told once), and whether this is the
@@ -204,6 +192,7 @@ class _Registry:
             return new, first
 
 
+# The registry lives on the manager (one per prefill KV manager) under a pdsafe-owned name.
 _REGISTRY_ATTR = "_pdsafe_peer_release"
 _registry_create_lock = threading.Lock()
 
@@ -220,20 +209,14 @@ def _registry(kv_mgr: Any) -> _Registry:
 
 
 def _is_prefill(kv_mgr: Any) -> bool:
-    mode = getattr(kv_mgr, "disaggregation_mode", None)
+    mode = kv_mgr.disaggregation_mode
     return getattr(mode, "value", mode) == "prefill"
 
 
-def _failed_status() -> Any:
+def _kvpoll() -> Any:
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    return KVPoll.Failed
-
-
-def _success_status() -> Any:
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
-    return KVPoll.Success
+    return KVPoll
 
 
 def _failure_message(room: int, rec: _Room) -> str:
@@ -250,48 +233,34 @@ def _failure_message(room: int, rec: _Room) -> str:
 def _answer_decode(kv_mgr: Any, room: int, rec: _Room) -> bool:
     """Tell every decode endpoint that published metadata for ``room`` that it failed.
 
-    Returns True when the answer was sent now (decode's metadata was known). Without a live
+    Returns True when decode's metadata was known (answered now, or earlier). Without a live
     sender for the room, also drops the metadata, so nothing can ever be written for it.
     """
-    targets = kv_mgr._room_notify_targets(room)
+    targets = kv_mgr.pdsafe_decode_endpoints(room)
     if not targets:
         return False
     reg = _registry(kv_mgr)
     targets, first = reg.claim_targets(rec, targets)
-    from sglang.srt.utils.network import NetworkAddress
-
-    message = _failure_message(room, rec)
-    parts = kv_mgr._encode_kv_status_message(
-        bootstrap_room=room, status=_failed_status(), failure_reason=message)
-    if not getattr(kv_mgr, "kv_status_msg_carries_reason", False):
-        # The legacy 3-frame layout (Mooncake, Ascend); decode reads a 4th frame as the reason.
-        parts.append(message.encode("utf-8"))
     sent = 0
-    for endpoint, port in targets:
-        na = NetworkAddress(endpoint, port)
-        try:
-            kv_mgr._send_multipart_locked(na.to_tcp(), parts, is_ipv6=na.is_ipv6)
-            sent += 1
-        except Exception as e:  # noqa: BLE001 - a dead peer must not break the caller
-            _notify_failed(f"send the Failed status of room {room} to decode "
-                           f"{na.to_host_port_str()}", e)
-    with reg.lock:
-        has_sender = room in reg.live
-    if not has_sender:
-        kv_mgr.transfer_infos.pop(room, None)
-        kv_mgr.req_to_decode_prefix_len.pop(room, None)
-        status = kv_mgr.request_status.get(room)
-        if status is not None and status != _success_status():
-            kv_mgr.request_status.pop(room, None)
+    if targets:
+        for (host, port), err in kv_mgr.pdsafe_send_failed_status(
+                room, targets, _failure_message(room, rec)):
+            if err is None:
+                sent += 1
+            else:  # a dead decode must not stop the others
+                notify_failed(f"send the Failed status of room {room} to decode {host}:{port}",
+                              err)
+    if not reg.is_live(room):
+        kv_mgr.pdsafe_forget_room(room)
     if sent and first:
-        _count_notified(None if rec.origin == ORIGIN_HTTP else rec.t0, rec.t0_wall)
+        count_notified(None if rec.origin == ORIGIN_HTTP else rec.t0, rec.t0_wall)
     if sent:
         logger.info("pdsafe peer release: told decode %s that room %s failed (%s)",
                     targets, room, rec.reason)
     return True
 
 
-@_hook(None)
+@guarded("peer_release.prefill_rejected", default=None, **_guard)
 def prefill_rejected(kv_mgr: Any, room: int | None, reason: str, origin: str = ORIGIN_LOCAL,
                      t0_wall: float | None = None) -> None:
     """This prefill will not serve ``room``: answer decode's metadata with Failed (now or later).
@@ -301,14 +270,13 @@ def prefill_rejected(kv_mgr: Any, room: int | None, reason: str, origin: str = O
     """
     if room is None or kv_mgr is None or not enabled() or not _is_prefill(kv_mgr):
         return
-    status = kv_mgr.request_status.get(room)
-    if status == _success_status():
+    if kv_mgr.pdsafe_room_status(int(room)) == _kvpoll().Success:
         return  # the KV was already sent: nothing is reserved for it any more
     rec = _registry(kv_mgr).record(int(room), reason, origin, t0_wall)
     _answer_decode(kv_mgr, int(room), rec)
 
 
-@_hook(False)
+@guarded("peer_release.on_metadata_complete", default=False, **_guard)
 def on_metadata_complete(kv_mgr: Any, room: int) -> bool:
     """Decode's metadata for ``room`` is complete (``update_status(room, WaitingForInput)``).
 
@@ -322,11 +290,10 @@ def on_metadata_complete(kv_mgr: Any, room: int) -> bool:
     if rec is None:
         return False
     _answer_decode(kv_mgr, room, rec)
-    with reg.lock:
-        return room not in reg.live
+    return not reg.is_live(room)
 
 
-@_hook(None)
+@guarded("peer_release.on_sender_created", default=None, **_guard)
 def on_sender_created(sender: Any) -> None:
     """A sender was opened for a room: fail it at once if the room was refused or aborted."""
     kv_mgr = sender.kv_mgr
@@ -339,15 +306,15 @@ def on_sender_created(sender: Any) -> None:
     rec = reg.get(room)
     if rec is None:
         return
-    message = _failure_message(room, rec)
-    kv_mgr.record_failure(room, message)
-    kv_mgr.update_status(room, _failed_status())
+    kv_mgr.record_failure(room, _failure_message(room, rec))
+    kv_mgr.update_status(room, _kvpoll().Failed)
     logger.info("pdsafe peer release: room %s was refused before its sender opened; failing "
                 "it now (%s)", room, rec.reason)
 
 
-@_hook(None)
+@guarded("peer_release.on_sender_cleared", default=None, **_guard)
 def on_sender_cleared(sender: Any) -> None:
+    """A sender was cleared: the room has no live sender any more."""
     if not _is_prefill(sender.kv_mgr):
         return
     reg = _registry(sender.kv_mgr)
@@ -355,334 +322,55 @@ def on_sender_cleared(sender: Any) -> None:
         reg.live.discard(sender.bootstrap_room)
 
 
-@_hook(None)
+@guarded("peer_release.on_sender_aborted", default=None, **_guard)
 def on_sender_aborted(sender: Any, reason: str = "aborted on the prefill server") -> None:
     """``CommonKVSender.abort()``, before upstream marks the room Failed: the prefill gave the
     room up. Nothing to tell when its transfer already succeeded."""
-    if getattr(sender, "conclude_state", None) == _success_status():
+    if sender.conclude_state == _kvpoll().Success:
         return
     prefill_rejected(sender.kv_mgr, sender.bootstrap_room, reason)
 
 
-@_hook(None)
+@guarded("peer_release.on_abort_message", default=None, **_guard)
 def on_abort_message(kv_mgr: Any, msg: list[bytes]) -> None:
     """Prefill control thread, on an ABORT frame, before the backend handles it.
 
-    A live sender for the room gets the reason recorded first (the backend then marks the room
-    Failed, and the prefill client sees why). The room is remembered, so a sender opened later
-    fails at once. Our bare ABORT from this prefill's own HTTP layer (3 frames, ``WIRE_PREFIX``,
-    origin ``http``) also gets decode's metadata answered with Failed, now or when it arrives.
+    A live sender for the room gets the reason recorded first (``record_failure``; the backend
+    then marks the room Failed, and NIXL's own generic reason goes through
+    ``pdsafe_failure_reason_or``, so this reason wins and the prefill client sees why). The
+    room is remembered, so a sender opened later fails at once. Our bare ABORT from this
+    prefill's own HTTP layer (origin ``http``) also gets decode's metadata answered with
+    Failed, now or when it arrives.
     """
-    if not enabled() or not _is_prefill(kv_mgr) or len(msg) < 2 or msg[0] != ABORT_TAG:
+    if not enabled() or not _is_prefill(kv_mgr):
         return
-    try:
-        room = int(msg[1].decode("ascii"))
-    except (ValueError, UnicodeDecodeError):
+    notice = parse_abort(msg)
+    if notice is None:
         return
-    if len(msg) == 3 and msg[2].startswith(WIRE_PREFIX):
-        origin, t0_wall, reason = _parse_wire(msg[2])
-    else:  # a decode's own ABORT (client abort, transfer failure, deferred release)
-        origin, t0_wall, reason = ORIGIN_PEER, None, "the decode server aborted the request"
-    status = kv_mgr.request_status.get(room)
-    if status == _success_status():
+    room = notice.room
+    kvpoll = _kvpoll()
+    status = kv_mgr.pdsafe_room_status(room)
+    if status == kvpoll.Success:
         return  # the KV was already sent: nothing is reserved for it any more
     reg = _registry(kv_mgr)
-    with reg.lock:
-        live = room in reg.live
-    if live and status is not None and status != _failed_status():
+    if reg.is_live(room) and status is not None and status != kvpoll.Failed:
         # Before the backend marks the room Failed, so the scheduler never reads it bare.
-        message = _failure_message(room, _Room(reason, origin, 0.0, None, 0.0))
-        with kv_mgr.failure_lock:
-            kv_mgr.failure_records[room] = message
-    if origin == ORIGIN_HTTP:
-        prefill_rejected(kv_mgr, room, reason, ORIGIN_HTTP, t0_wall)
+        rec = _Room(notice.reason, notice.origin, 0.0, None, 0.0)
+        kv_mgr.record_failure(room, _failure_message(room, rec))
+    if notice.origin == ORIGIN_HTTP:
+        prefill_rejected(kv_mgr, room, notice.reason, ORIGIN_HTTP, notice.t0_wall)
     else:
-        reg.record(room, reason, ORIGIN_PEER)
+        reg.record(room, notice.reason, ORIGIN_PEER)
 
 
-# =========================================================================== decode side / HTTP
+@guarded("peer_release.prefill_door_rejected", default=None, **_guard)
+def prefill_door_rejected(bootstrap_queue: Any, req: Any, reason: str | None = None) -> None:
+    """A prefill door (``PrefillBootstrapQueue.add``) refused ``req`` before a sender existed.
 
-
-def _wire(origin: str, reason: str) -> bytes:
-    return WIRE_PREFIX + f"{origin}:{time.time():.6f}:".encode() + reason.encode("utf-8")[:1024]
-
-
-def _parse_wire(frame: bytes) -> tuple[str, float | None, str]:
-    body = frame[len(WIRE_PREFIX):].decode("utf-8", errors="replace")
-    origin, _, rest = body.partition(":")
-    ts, _, reason = rest.partition(":")
-    try:
-        t0_wall: float | None = float(ts)
-    except ValueError:
-        t0_wall = None
-    if origin not in (ORIGIN_HTTP, ORIGIN_PEER):
-        origin = ORIGIN_PEER
-    return origin, t0_wall, reason or "refused"
-
-
-@dataclass
-class _Job:
-    bootstrap_addr: str
-    room: int
-    dp_rank: int | None
-    reason: str
-    origin: str
-    t0: float
-
-
-class _Notifier:
-    """One daemon thread per process: resolves prefill ranks and sends bare ABORT frames.
-
-    Runs off the scheduler/event loop, since resolving ranks is an HTTP call to the prefill's
-    bootstrap server.
+    Takes the queue, not its KV manager: the manager is read here, inside the guard, so a
+    queue without one (upstream's unit tests build bare queues) never fails at the call site.
     """
-
-    RANK_CACHE_TTL_S = 30.0
-    HTTP_TIMEOUT_S = 2.0
-    SEND_TIMEOUT_MS = 2000
-    #: After a failed lookup, skip that bootstrap address for this long: a client-named host
-    #: that does not answer must not hold up notices to the real prefills.
-    BAD_ADDR_S = 30.0
-    MAX_QUEUED = 10000
-
-    def __init__(self) -> None:
-        self.q: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self.pid = os.getpid()
-        self.ranks: dict[tuple[str, int | None, int], tuple[float, list[tuple[str, int]]]] = {}
-        self.topologies: dict[str, tuple[float, dict[str, Any]]] = {}
-        self.bad_addrs: dict[str, float] = {}
-        self.sockets: dict[str, Any] = {}
-        self.ctx: Any = None
-        self.thread = threading.Thread(target=self._run, name="pdsafe-peer-release",
-                                       daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            job = self.q.get()
-            try:
-                self._send(job)
-            except Exception as e:  # noqa: BLE001 - keep the thread alive
-                _notify_failed(f"tell prefill {job.bootstrap_addr} to drop room {job.room}", e)
-
-    def _route(self, addr: str, **q: int) -> dict[str, Any]:
-        import requests
-
-        query = "&".join(f"{k}={v}" for k, v in q.items())
-        r = requests.get(f"http://{addr}/route?{query}", timeout=self.HTTP_TIMEOUT_S)
-        r.raise_for_status()
-        return r.json()
-
-    def _topology(self, addr: str) -> dict[str, Any]:
-        """The prefill's parallel layout (dp/cp/tp/pp sizes), cached like the ranks: a notice
-        to a known prefill then needs no HTTP round trip (the bootstrap server shares its
-        process with the prefill's busy HTTP front end)."""
-        hit = self.topologies.get(addr)
-        if hit is not None and time.monotonic() - hit[0] < self.RANK_CACHE_TTL_S:
-            return hit[1]
-        info = self._route(addr, prefill_dp_rank=-1, prefill_cp_rank=-1, target_tp_rank=-1,
-                           target_pp_rank=-1)
-        self.topologies[addr] = (time.monotonic(), info)
-        return info
-
-    def _resolve(self, addr: str, room: int, dp_rank: int | None) -> list[tuple[str, int]]:
-        info = self._topology(addr)
-        dp_size = int(info.get("dp_size", 1))
-        if dp_rank is not None:
-            dps = [int(dp_rank)]
-        elif dp_size == 1:
-            dps = [0]
-        elif info.get("follow_bootstrap_room", True):
-            dps = [room % dp_size]
-        else:
-            dps = list(range(dp_size))  # unknown owner: every dp rank drops the room
-        key = (addr, dp_rank if dp_rank is not None else None, dps[0] if len(dps) == 1 else -1)
-        hit = self.ranks.get(key)
-        if hit is not None and time.monotonic() - hit[0] < self.RANK_CACHE_TTL_S:
-            return hit[1]
-        out: list[tuple[str, int]] = []
-        for dp in dps:
-            for cp in range(int(info.get("attn_cp_size", 1))):
-                for tp in range(int(info.get("attn_tp_size", 1))):
-                    for pp in range(int(info.get("pp_size", 1))):
-                        r = self._route(addr, prefill_dp_rank=dp, prefill_cp_rank=cp,
-                                        target_tp_rank=tp, target_pp_rank=pp)
-                        ep = (str(r["rank_ip"]), int(r["rank_port"]))
-                        if ep not in out:
-                            out.append(ep)
-        self.ranks[key] = (time.monotonic(), out)
-        return out
-
-    def _socket(self, endpoint: str, is_ipv6: bool) -> Any:
-        import zmq
-
-        sock = self.sockets.get(endpoint)
-        if sock is None:
-            if self.ctx is None:
-                self.ctx = zmq.Context()
-            sock = self.ctx.socket(zmq.PUSH)
-            if is_ipv6:
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.setsockopt(zmq.LINGER, 2000)
-            sock.setsockopt(zmq.SNDTIMEO, self.SEND_TIMEOUT_MS)
-            sock.connect(endpoint)
-            self.sockets[endpoint] = sock
-        return sock
-
-    def _send(self, job: _Job) -> None:
-        from sglang.srt.utils.network import NetworkAddress
-
-        until = self.bad_addrs.get(job.bootstrap_addr)
-        if until is not None and time.monotonic() < until:
-            _notify_failed(f"tell prefill {job.bootstrap_addr} to drop room {job.room}",
-                           "its bootstrap server did not answer recently")
-            return
-        try:
-            endpoints = self._resolve(job.bootstrap_addr, job.room, job.dp_rank)
-        except Exception as e:  # noqa: BLE001
-            self.bad_addrs[job.bootstrap_addr] = time.monotonic() + self.BAD_ADDR_S
-            _notify_failed(f"look up the prefill ranks at {job.bootstrap_addr} for room "
-                           f"{job.room}", e)
-            return
-        self.bad_addrs.pop(job.bootstrap_addr, None)
-        frames = [ABORT_TAG, str(job.room).encode("ascii"), _wire(job.origin, job.reason)]
-        sent = 0
-        for ip, port in endpoints:
-            na = NetworkAddress(ip, port)
-            endpoint = na.to_tcp()
-            try:
-                self._socket(endpoint, na.is_ipv6).send_multipart(frames)
-                sent += 1
-            except Exception as e:  # noqa: BLE001
-                sock = self.sockets.pop(endpoint, None)
-                if sock is not None:
-                    sock.close(linger=0)
-                self.ranks.clear()
-                self.topologies.clear()
-                _notify_failed(f"send ABORT for room {job.room} to prefill rank "
-                               f"{na.to_host_port_str()}", e)
-        if sent and job.origin == ORIGIN_PEER:
-            _count_notified(job.t0)
-        if sent:
-            logger.info("pdsafe peer release: told prefill %s to drop room %s (%s)",
-                        job.bootstrap_addr, job.room, job.reason)
-
-
-_notifier: _Notifier | None = None
-_notifier_lock = threading.Lock()
-
-
-def _get_notifier() -> _Notifier:
-    global _notifier
-    with _notifier_lock:
-        if _notifier is None or _notifier.pid != os.getpid():
-            _notifier = _Notifier()
-        return _notifier
-
-
-def _bootstrap_addr(host: str, port: int | str) -> str:
-    from sglang.srt.utils.network import NetworkAddress
-
-    return NetworkAddress(host, int(port)).to_host_port_str()
-
-
-@_hook(False)
-def notify_prefill(bootstrap_host: str | None, bootstrap_port: int | None,
-                   room: int | None, reason: str, *, dp_rank: int | None = None,
-                   origin: str = ORIGIN_PEER) -> bool:
-    """Queue a bare ABORT(room) to every prefill rank behind ``bootstrap_host:port``.
-
-    Returns False when there is nothing to tell (no room, fake transfer, feature off).
-    """
-    if (not enabled() or room is None or not bootstrap_host or bootstrap_port is None
-            or bootstrap_host == FAKE_BOOTSTRAP_HOST):
-        return False
-    try:
-        addr = _bootstrap_addr(bootstrap_host, bootstrap_port)
-    except (TypeError, ValueError) as e:
-        _notify_failed(f"parse the bootstrap address {bootstrap_host}:{bootstrap_port}", e)
-        return False
-    notifier = _get_notifier()
-    if notifier.q.qsize() >= notifier.MAX_QUEUED:
-        _notify_failed(f"queue the notice for room {room} to prefill {addr}",
-                       f"{notifier.MAX_QUEUED} notices already pending")
-        return False
-    notifier.q.put(_Job(addr, int(room), dp_rank, reason, origin, time.monotonic()))
-    return True
-
-
-def _finish_message(req: Any) -> str:
-    for reason in (getattr(req, "finished_reason", None), getattr(req, "to_finish", None)):
-        message = getattr(reason, "message", None)
-        if message:
-            return str(message)
-    return "refused"
-
-
-@_hook(None)
-def decode_rejected(req: Any, reason: str | None = None) -> None:
-    """A decode door refused ``req`` (no receiver exists): tell its prefill to drop the room."""
-    notify_prefill(getattr(req, "bootstrap_host", None), getattr(req, "bootstrap_port", None),
-                   getattr(req, "bootstrap_room", None),
-                   f"the decode server refused it: {reason or _finish_message(req)}",
-                   dp_rank=getattr(req, "disagg_prefill_dp_rank", None))
-
-
-@_hook(None)
-def prefill_door_rejected(kv_mgr: Any, req: Any, reason: str | None = None) -> None:
-    """A prefill door refused ``req`` before a sender existed."""
-    if getattr(req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST:
+    if is_fake_bootstrap(getattr(req, "bootstrap_host", None)):
         return
-    prefill_rejected(kv_mgr, getattr(req, "bootstrap_room", None),
-                     reason or _finish_message(req))
-
-
-@_hook(None)
-def on_receiver_aborted(receiver: Any) -> None:
-    """``CommonKVReceiver.abort()``: if upstream could not send ABORT (the prefill ranks were
-    not known yet), send our bare ABORT so the prefill drops the room's sender."""
-    if getattr(receiver, "abort_notified", False):
-        return
-    if getattr(receiver, "bootstrap_infos", None) is not None:
-        return
-    host, _, port = str(receiver.bootstrap_addr).rpartition(":")
-    host = host.strip("[]")
-    try:
-        port_i = int(port)
-    except ValueError:
-        return
-    if notify_prefill(host, port_i, receiver.bootstrap_room,
-                      "the decode server aborted it before its bootstrap",
-                      dp_rank=getattr(receiver, "prefill_dp_rank", None)):
-        receiver.abort_notified = True
-
-
-@_hook(None)
-def on_http_undelivered(obj: Any, error: BaseException | None) -> None:
-    """A PD request refused before it reached this server's scheduler (HTTP layer).
-
-    Called from ``TokenizerManager._release_req_states_on_failure`` for each undelivered
-    request. A prefill tells its own ranks (which answer decode's metadata), a decode tells the
-    prefill named in the request.
-    """
-    if not enabled():
-        return
-    room = getattr(obj, "bootstrap_room", None)
-    host = getattr(obj, "bootstrap_host", None)
-    if room is None or isinstance(room, list) or isinstance(host, list):
-        return
-    from sglang.srt.runtime_context import get_disagg, get_serving
-
-    mode = get_disagg().disaggregation_mode
-    reason = f"{type(error).__name__}: {error}" if error is not None else "refused"
-    if mode == "prefill":
-        own_host = get_serving().host or "127.0.0.1"
-        if own_host in ("0.0.0.0", "::", ""):
-            own_host = "127.0.0.1"
-        notify_prefill(own_host, get_disagg().disaggregation_bootstrap_port, room,
-                       f"the prefill server's HTTP layer refused it: {reason}",
-                       dp_rank=getattr(obj, "routed_dp_rank", None), origin=ORIGIN_HTTP)
-    elif mode == "decode":
-        notify_prefill(host, getattr(obj, "bootstrap_port", None), room,
-                       f"the decode server's HTTP layer refused it: {reason}",
-                       dp_rank=getattr(obj, "disagg_prefill_dp_rank", None))
+    prefill_rejected(bootstrap_queue.kv_manager, getattr(req, "bootstrap_room", None),
+                     reason or finish_message(req))

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang.pdsafe import metrics
-from sglang.pdsafe.protections import Protection, register
+from sglang.pdsafe.protections import (
+    PDModeUnknownError,
+    Protection,
+    is_pd,
+    process_pd_mode,
+    register,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,48 +46,58 @@ class Rejection:
     err_type: str
 
 
-def _disagg_mode() -> str:
+def may_rewrite_to_stub() -> bool:
+    """Whether upstream's one-token rewrite of a rejected prompt is allowed in this process.
+
+    Only on a server that is known not to be PD (``process_pd_mode() == "null"``). Fails
+    closed: when the PD mode cannot be read (runtime context not published), the answer is
+    "PD" (no rewrite). Keeping the prompt is always safe (the rejection is typed and the
+    request is retired at the queue door); a stub on a handoff path is the incident.
+    """
     try:
-        from sglang.srt.runtime_context import get_disagg
-
-        mode = get_disagg().disaggregation_mode
-    except Exception:
-        return "null"
-    return str(getattr(mode, "value", mode) or "null").lower()
-
-
-def is_pd_mode() -> bool:
-    return _disagg_mode() in ("prefill", "decode")
+        return process_pd_mode() == "null"
+    except PDModeUnknownError as e:
+        logger.error("%s; treating this process as PD: the rejected prompt is kept, not "
+                     "rewritten to a one-token stub", e)
+        return False
 
 
 def record_rejection(req: Any, message: str, status_code: int, err_type: str) -> bool:
     """Attach the typed rejection to ``req``; return True if the prompt may be rewritten.
 
-    The rewrite to a one-token prompt is upstream's way to make a local abort cheap; in PD mode it
-    is refused, because a stub on a handoff path is exactly the incident.
+    The rewrite to a one-token prompt is upstream's way to make a local abort cheap; in PD mode
+    (or when the mode cannot be read, see :func:`may_rewrite_to_stub`) it is refused, because
+    a stub on a handoff path is exactly the incident.
     """
     req.pdsafe_rejection = Rejection(message, int(status_code), err_type)
-    return not is_pd_mode()
+    return may_rewrite_to_stub()
 
 
-def _is_aborted(req: Any) -> bool:
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+def rejected_at_intake(req: Any) -> bool:
+    """Whether ``req`` was rejected at intake: aborted and holding nothing.
 
-    return (
-        getattr(req, "pdsafe_rejection", None) is not None
-        or isinstance(getattr(req, "to_finish", None), FINISH_ABORT)
-        or isinstance(getattr(req, "finished_reason", None), FINISH_ABORT)
-    )
+    Upstream's own definition (``disaggregation.utils.is_unadmitted_reject``): a pending abort
+    on a request that holds KV, a metadata slot, Mamba state, a retraction backup or that is
+    retracted marks a *re-entering* request, whose queue owes the release of what it holds;
+    refusing it at creation would skip that release (a leak), so it is not a rejection here.
+    """
+    from sglang.srt.disaggregation.utils import is_unadmitted_reject
+
+    return bool(is_unadmitted_reject(req))
 
 
 def transfer_endpoint_allowed(req: Any, where: str) -> bool:
-    """False (and loud) when an aborted request reaches KV sender/receiver creation."""
-    if not _is_aborted(req):
+    """False (and loud) when a request rejected at intake reaches KV sender/receiver creation.
+
+    Invariant: such a request never gets a sender or receiver (no bootstrap, no page reserved
+    or read). Re-entering requests (see :func:`rejected_at_intake`) always pass.
+    """
+    if not rejected_at_intake(req):
         return True
     metrics.inc("placeholder_blocked_total")
     rej = getattr(req, "pdsafe_rejection", None)
     msg = (
-        f"pdsafe: aborted request {getattr(req, 'rid', '?')} reached {where} "
+        f"pdsafe: request {getattr(req, 'rid', '?')}, rejected at intake, reached {where} "
         f"(reason: {rej.message if rej else getattr(req, 'to_finish', None)}). A rejected "
         "request must be retired at the queue door; this is a bug in an earlier check. "
         "The request is refused here and no KV is exchanged for it."
@@ -95,6 +111,5 @@ def transfer_endpoint_allowed(req: Any, where: str) -> bool:
 register(Protection(
     name="no-placeholder-handoff",
     guards="rejected requests keep their typed verdict and never reach a KV sender/receiver",
-    is_active=lambda server_args: getattr(server_args, "disaggregation_mode", "null")
-    in ("prefill", "decode"),
+    is_active=is_pd,
 ))

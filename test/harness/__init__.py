@@ -1,1 +1,0 @@
-"""Test and benchmark harness for sglang-pdsafe (real servers, content oracle, KV harness)."""

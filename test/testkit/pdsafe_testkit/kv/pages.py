@@ -1,0 +1,330 @@
+"""Page-content encoding and classification of the KV harness (pure numpy, any process).
+
+Every pool buffer is an int64 tensor of shape ``[(num_pages + 1) * page_size, token_words]``
+(one buffer per layer for K and one for V, in MHA order: all K layers, then all V layers).
+Page ``p`` is rows ``[p * page_size, (p + 1) * page_size)``; page 0 is sglang's reserved
+padding page and is never handed out. Every token row is self-describing:
+
+* word 0: tag = ``magic << 16 | layer << 1 | kv`` (magic says DATA, POISON or STALE),
+* word 1: owner: the bootstrap room (DATA), the decode page (POISON), the prefill page (STALE),
+* word 2: position: the token index within the request (DATA), the row within the page (else),
+* words 3..: check words, a 64-bit mix of (tag, owner, position, word index).
+
+So a decode page can always be classified (``classify_pages``) as this request's data at the
+right position (OWN), another request's data with its room decoded (FOREIGN), never written
+(POISON: the decode pool is pre-filled with it), prefill memory that no prefill step wrote
+(STALE_SOURCE, e.g. the tail of a partially filled last prefill page), misplaced own data, a
+mixture, or garbage.
+
+Invariant: this module imports neither torch nor sglang; it works on numpy arrays and on any
+object with a ``numpy()`` view (CPU torch tensors in the children).
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "MAGIC_DATA",
+    "MAGIC_POISON",
+    "MAGIC_STALE",
+    "MIN_TOKEN_WORDS",
+    "BufferVerdict",
+    "PageKind",
+    "PageVerdict",
+    "classify_pages",
+    "encode_rows",
+    "fill_data_pages",
+    "fill_poison_pages",
+    "fill_stale_pages",
+    "request_token_ids",
+]
+
+MAGIC_DATA = 0xDA7A5EED01
+MAGIC_POISON = 0x0B150B1502
+MAGIC_STALE = 0x57A1E5A7E3
+_HEADER_WORDS = 3
+MIN_TOKEN_WORDS = 4
+
+_U64 = np.uint64
+_MIX_C = (
+    _U64(0x9E3779B97F4A7C15),
+    _U64(0xC2B2AE3D27D4EB4F),
+    _U64(0x165667B19E3779F9),
+    _U64(0xD6E8FEB86659FD93),
+)
+
+
+def request_token_ids(room: int, num_tokens: int) -> list[int]:
+    """The prompt of the request in ``room`` as both sides hold it (prefill a prefix of it when
+    it prefills fewer tokens). Feeds the coverage attestation the scheduler hooks compute."""
+    rng = random.Random(room)
+    return [rng.randrange(4, 512) for _ in range(num_tokens)]
+
+
+def _mix64(tag: np.ndarray, owner: np.ndarray, pos: np.ndarray, word: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer over a linear combination; all uint64, wrapping arithmetic."""
+    with np.errstate(over="ignore"):
+        x = tag * _MIX_C[0] + owner * _MIX_C[1] + pos * _MIX_C[2] + word * _MIX_C[3]
+        x = x ^ (x >> _U64(30))
+        x = x * _U64(0xBF58476D1CE4E5B9)
+        x = x ^ (x >> _U64(27))
+        x = x * _U64(0x94D049BB133111EB)
+        return x ^ (x >> _U64(31))
+
+
+def _tag(magic: int, layer: int, kv: int) -> int:
+    if not 0 <= layer < (1 << 15):
+        raise ValueError(f"layer {layer} out of range")
+    return (magic << 16) | (layer << 1) | (kv & 1)
+
+
+def encode_rows(
+    magic: int, layer: int, kv: int, owner: np.ndarray, pos: np.ndarray, token_words: int
+) -> np.ndarray:
+    """Token rows (uint64 ``[n, token_words]``) for the given owners and positions.
+
+    ``owner`` and ``pos`` are broadcast to the same length ``n``.
+    """
+    if token_words < MIN_TOKEN_WORDS:
+        raise ValueError(f"token_words must be >= {MIN_TOKEN_WORDS}")
+    owner_u, pos_u = np.broadcast_arrays(
+        np.asarray(owner, dtype=np.uint64), np.asarray(pos, dtype=np.uint64)
+    )
+    n = owner_u.shape[0]
+    rows = np.empty((n, token_words), dtype=np.uint64)
+    tag = _U64(_tag(magic, layer, kv))
+    rows[:, 0] = tag
+    rows[:, 1] = owner_u
+    rows[:, 2] = pos_u
+    words = np.arange(_HEADER_WORDS, token_words, dtype=np.uint64)[None, :]
+    rows[:, _HEADER_WORDS:] = _mix64(tag, owner_u[:, None], pos_u[:, None], words)
+    return rows
+
+
+def _as_u64(buf: Any) -> np.ndarray:
+    """A writable uint64 numpy view of a 2-D int64/uint64 torch tensor or numpy array."""
+    arr = buf.numpy() if hasattr(buf, "numpy") and not isinstance(buf, np.ndarray) else buf
+    arr = np.asarray(arr)
+    if arr.dtype not in (np.int64, np.uint64) or arr.ndim != 2:
+        raise TypeError(f"pool buffers must be 2-D int64/uint64, got {arr.dtype} {arr.shape}")
+    return arr.view(np.uint64)
+
+
+def _page_rows(page: int, page_size: int, start: int = 0, stop: int | None = None) -> slice:
+    stop = page_size if stop is None else stop
+    return slice(page * page_size + start, page * page_size + stop)
+
+
+def fill_poison_pages(
+    buffers: Sequence[Any],
+    layer_kv: Sequence[tuple[int, int]],
+    pages: Iterable[int],
+    page_size: int,
+) -> None:
+    """Write the POISON pattern (owner = the page itself) into every row of ``pages``."""
+    for buf, (layer, kv) in zip(buffers, layer_kv, strict=True):
+        arr = _as_u64(buf)
+        for page in pages:
+            arr[_page_rows(page, page_size)] = encode_rows(
+                MAGIC_POISON,
+                layer,
+                kv,
+                np.full(page_size, page),
+                np.arange(page_size),
+                arr.shape[1],
+            )
+
+
+def fill_stale_pages(
+    buffers: Sequence[Any],
+    layer_kv: Sequence[tuple[int, int]],
+    pages: Iterable[int],
+    page_size: int,
+) -> None:
+    """Write the STALE pattern (prefill memory no prefill step wrote) into ``pages``."""
+    for buf, (layer, kv) in zip(buffers, layer_kv, strict=True):
+        arr = _as_u64(buf)
+        for page in pages:
+            arr[_page_rows(page, page_size)] = encode_rows(
+                MAGIC_STALE,
+                layer,
+                kv,
+                np.full(page_size, page),
+                np.arange(page_size),
+                arr.shape[1],
+            )
+
+
+def fill_data_pages(
+    buffers: Sequence[Any],
+    layer_kv: Sequence[tuple[int, int]],
+    pages: Sequence[int],
+    page_size: int,
+    room: int,
+    token_start: int,
+    token_stop: int,
+) -> None:
+    """Write ``room``'s DATA rows for request tokens ``[token_start, token_stop)``.
+
+    ``pages[i]`` holds request tokens ``[i * page_size, (i + 1) * page_size)``; rows of those
+    pages outside the token range are left untouched.
+    """
+    for buf, (layer, kv) in zip(buffers, layer_kv, strict=True):
+        arr = _as_u64(buf)
+        tok = token_start
+        while tok < token_stop:
+            pos_in_req = tok // page_size
+            row0 = tok % page_size
+            row1 = min(page_size, row0 + (token_stop - tok))
+            positions = np.arange(tok, tok + (row1 - row0))
+            arr[_page_rows(pages[pos_in_req], page_size, row0, row1)] = encode_rows(
+                MAGIC_DATA,
+                layer,
+                kv,
+                np.full(len(positions), room, dtype=np.uint64),
+                positions,
+                arr.shape[1],
+            )
+            tok += row1 - row0
+
+
+class PageKind(str, enum.Enum):
+    """What a decode page (or one layer's K/V of it) holds. Only the request's tokens count."""
+
+    OWN = "own"  #: this request's data, right position, right layer and K/V
+    FOREIGN = "foreign"  #: another request's data (its room is decoded into ``rooms``)
+    POISON = "poison"  #: never written since the decode pool was (re)poisoned
+    STALE_SOURCE = "stale_source"  #: prefill memory that no prefill step wrote
+    MISPLACED = "misplaced"  #: this request's data at the wrong position/layer/K-V
+    CORRUPT = "corrupt"  #: no valid pattern (torn or foreign bytes)
+    MIXED = "mixed"  #: rows of different kinds
+
+
+@dataclass(frozen=True)
+class BufferVerdict:
+    """One layer's K or V rows of one page: ``kinds`` has one entry per significant token."""
+
+    layer: int
+    kv: str  #: "k" or "v"
+    kind: PageKind
+    rooms: tuple[int, ...]  #: distinct rooms whose DATA rows were seen (own included)
+    kinds: tuple[PageKind, ...]
+
+
+@dataclass(frozen=True)
+class PageVerdict:
+    """Classification of one decode page reserved for a request.
+
+    Invariants: ``kind`` is the common kind of every buffer verdict, or MIXED;
+    ``rooms`` is the union of the buffers' rooms; ``tokens`` is the number of request tokens
+    the page holds (``page_size`` except possibly for the last page).
+    """
+
+    position: int  #: page index within the request
+    page: int  #: decode page index
+    tokens: int
+    kind: PageKind
+    rooms: tuple[int, ...]
+    buffers: tuple[BufferVerdict, ...]
+
+    def foreign_rooms(self, own_room: int) -> tuple[int, ...]:
+        return tuple(r for r in self.rooms if r != own_room)
+
+
+def _classify_rows(
+    rows: np.ndarray, layer: int, kv: int, room: int, first_pos: int
+) -> tuple[list[PageKind], set[int]]:
+    tag = rows[:, 0]
+    owner = rows[:, 1]
+    pos = rows[:, 2]
+    magic = tag >> _U64(16)
+    words = np.arange(_HEADER_WORDS, rows.shape[1], dtype=np.uint64)[None, :]
+    valid = np.all(
+        rows[:, _HEADER_WORDS:] == _mix64(tag[:, None], owner[:, None], pos[:, None], words),
+        axis=1,
+    )
+    own_tag = _U64(_tag(MAGIC_DATA, layer, kv))
+    kinds: list[PageKind] = []
+    rooms: set[int] = set()
+    for i in range(rows.shape[0]):
+        m = int(magic[i])
+        if not valid[i]:
+            kinds.append(PageKind.CORRUPT)
+        elif m == MAGIC_DATA:
+            r = int(owner[i])
+            rooms.add(r)
+            if r != room:
+                kinds.append(PageKind.FOREIGN)
+            elif tag[i] == own_tag and int(pos[i]) == first_pos + i:
+                kinds.append(PageKind.OWN)
+            else:
+                kinds.append(PageKind.MISPLACED)
+        elif m == MAGIC_POISON:
+            kinds.append(PageKind.POISON)
+        elif m == MAGIC_STALE:
+            kinds.append(PageKind.STALE_SOURCE)
+        else:
+            kinds.append(PageKind.CORRUPT)
+    return kinds, rooms
+
+
+def _merge(kinds: Iterable[PageKind]) -> PageKind:
+    distinct = set(kinds)
+    return distinct.pop() if len(distinct) == 1 else PageKind.MIXED
+
+
+def classify_pages(
+    buffers: Sequence[Any],
+    layer_kv: Sequence[tuple[int, int]],
+    *,
+    page_size: int,
+    pages: Sequence[int],
+    room: int,
+    num_tokens: int,
+) -> list[PageVerdict]:
+    """Classify the decode pages reserved for request ``room`` of ``num_tokens`` tokens.
+
+    ``buffers[i]`` is the pool buffer of ``layer_kv[i] = (layer, kv)`` (kv 0 = K, 1 = V);
+    ``pages[j]`` is the decode page that should hold request tokens
+    ``[j * page_size, min((j + 1) * page_size, num_tokens))``. Rows past ``num_tokens`` in the
+    last page are not part of the request and are ignored.
+    """
+    if len(pages) * page_size < num_tokens:
+        raise ValueError(f"{len(pages)} pages of {page_size} cannot hold {num_tokens} tokens")
+    arrays = [_as_u64(b) for b in buffers]
+    verdicts: list[PageVerdict] = []
+    for position, page in enumerate(pages):
+        tokens = max(0, min(page_size, num_tokens - position * page_size))
+        bvs: list[BufferVerdict] = []
+        for arr, (layer, kv) in zip(arrays, layer_kv, strict=True):
+            rows = arr[_page_rows(page, page_size, 0, tokens)]
+            kinds, rooms = _classify_rows(rows, layer, kv, room, position * page_size)
+            bvs.append(
+                BufferVerdict(
+                    layer=layer,
+                    kv="kv"[kv],
+                    kind=_merge(kinds) if kinds else PageKind.OWN,
+                    rooms=tuple(sorted(rooms)),
+                    kinds=tuple(kinds),
+                )
+            )
+        verdicts.append(
+            PageVerdict(
+                position=position,
+                page=int(page),
+                tokens=tokens,
+                kind=_merge(b.kind for b in bvs),
+                rooms=tuple(sorted({r for b in bvs for r in b.rooms})),
+                buffers=tuple(bvs),
+            )
+        )
+    return verdicts
+
+

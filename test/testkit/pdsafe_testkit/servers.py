@@ -1,0 +1,598 @@
+"""Real SGLang servers on CPU for content tests: co-located reference, PD pairs, the PD router.
+
+Used by the pytest fixtures (test/conftest.py) and by benchmark/. Every process listens on
+127.0.0.1 only and every transport is pinned to loopback (see ``server_env``).
+
+Invariants:
+
+* A process started here is always stopped (its whole process group) by ``stop()`` or by the
+  context manager, also when startup fails; failures raise with the tail of the process's log.
+* Servers get explicit ``--max-total-tokens`` (uncapped pools take GBs on CPU) and a page size,
+  so tests control page reuse.
+* The harness adds no sglang-pdsafe option: a PD server runs the default configuration. A PD
+  server whose KV pool is smaller than its context length refuses to start (the capacity
+  invariant), so PD configs with small pools set ``context_length`` no larger than the pool
+  (the operator's documented remedy); only tests about the clamp pass its flag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from pdsafe_testkit.loopback import bind_conflict, reserve_port, transport_pins
+from pdsafe_testkit.metrics import metric_total
+
+
+def _repo_root() -> Path:
+    """The sglang-pdsafe checkout this (editable) testkit lives in (test/testkit/...)."""
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        if (parent / "upstream.lock").is_file() and (parent / "test" / "assets").is_dir():
+            return parent
+    return here.parents[3]
+
+
+REPO = _repo_root()
+#: The tiny CPU model the tests run (scripts/make_tiny_model.py); PDSAFE_MODEL overrides it.
+DEFAULT_MODEL = Path(os.environ.get("PDSAFE_MODEL") or REPO / "test" / "assets" / "tiny-copy-llama")
+# KV pools of the shared PD stacks: small, so pages are reused within a few requests.
+SHARED_DECODE_POOL = 1024
+SHARED_PREFILL_POOL = 1024
+STARTUP_TIMEOUT_S = float(os.environ.get("PDSAFE_STARTUP_TIMEOUT", "300"))
+
+
+def skip_pair_check(*fields: str) -> dict[str, str]:
+    """Decode env for a test stack whose legs deliberately differ in a setting that pair
+    agreement compares (``sglang.pdsafe.pair_agreement``): such a stack tests the defences
+    behind that check (peer release, coverage attestation), so it opts out of exactly those
+    fields, as an operator would, with the startup warning the opt-out logs."""
+    return {"SGLANG_PDSAFE_PAIR_AGREEMENT_SKIP": ",".join(fields)}
+
+
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The complete environment of a server or router process: a copy of ``os.environ`` with
+    the CPU engine, every transport pinned to loopback, one OMP thread, plus ``extra``.
+
+    (Compare ``kv.kv_child_env``: only the overrides a KV harness child applies itself.)"""
+    env = dict(os.environ)
+    env.update(
+        {
+            "SGLANG_USE_CPU_ENGINE": "1",
+            **transport_pins(),
+            # Few threads per server: several servers share 2 cores, and a fixed thread
+            # count keeps float reductions identical between the reference and PD servers.
+            "OMP_NUM_THREADS": env.get("PDSAFE_OMP_THREADS", "1"),
+        }
+    )
+    if extra:
+        env.update(extra)
+    return env
+
+
+class StartupError(RuntimeError):
+    """A server did not become healthy; the message carries its log tail."""
+
+
+class PortTaken(StartupError):
+    """Another process bound one of the server's ports first (retry on fresh ports)."""
+
+
+@dataclass
+class ManagedProcess:
+    """One child process in its own session, with its output in a log file."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, process_group=0,
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        keep = [ln for ln in lines if "warnings.warn" not in ln and "Warning:" not in ln]
+        return "\n".join(keep[-n:])
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop the process and its whole process group (schedulers, detokenizer...)."""
+        if self.proc is None:
+            return
+        try:
+            pgid = os.getpgid(self.proc.pid)
+        except ProcessLookupError:
+            pgid = None
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            if pgid is not None:
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    break
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        if pgid is not None:  # reap stragglers of the group
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _thread_ticks(pid: int) -> dict[int, int]:
+    """CPU ticks (user+system) of every thread of ``pid`` and its descendants."""
+    out: dict[int, int] = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                out[int(task.name)] = int(fields[11]) + int(fields[12])
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return out
+
+
+def deprioritise_busy_pollers(pid: int, sample_s: float = 1.0) -> list[int]:
+    """Renice to 19 the threads of an idle server that still burn a core.
+
+    NIXL's UCX progress thread polls with no delay (``nixl_agent`` hard-codes ``pthrDelay =
+    0``), so every NIXL server keeps one core busy while idle. On a 2-core CI machine two such
+    threads starve the servers that do work. Niced, they still progress transfers (the
+    kernel runs them whenever a core is free) but no longer compete on equal terms. Sampled
+    right after /health answers, when the server is idle: only a busy poller is busy then.
+    """
+    if not hasattr(os, "setpriority"):
+        return []
+    before = _thread_ticks(pid)
+    time.sleep(sample_s)
+    after = _thread_ticks(pid)
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = [t for t, n in after.items() if (n - before.get(t, n)) / hz > 0.5 * sample_s]
+    for tid in busy:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+        except OSError:
+            pass
+    return busy
+
+
+def wait_healthy(proc: ManagedProcess, url: str, path: str = "/health",
+                 timeout: float = STARTUP_TIMEOUT_S, ports: set[int] | None = None) -> None:
+    """Poll ``url+path`` until it answers 200; raise StartupError with the log otherwise.
+
+    With ``ports``, a log line saying one of them could not be bound raises PortTaken at once
+    (uvicorn logs the bind error and then hangs instead of exiting)."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if ports:
+            conflict = bind_conflict(proc.log_text(), ports)
+            if conflict:
+                raise PortTaken(f"{proc.name}: a port was taken before it bound it: {conflict}")
+        if not proc.alive():
+            raise StartupError(f"{proc.name} exited during startup:\n{proc.log_tail()}")
+        try:
+            r = requests.get(url + path, timeout=5)
+            if r.status_code == 200:
+                if proc.proc is not None and "nixl" in proc.argv:
+                    deprioritise_busy_pollers(proc.proc.pid)
+                return
+            last = f"{r.status_code} {r.text[:200]}"
+        except requests.RequestException as e:
+            last = str(e)[:200]
+        time.sleep(1.0)
+    raise StartupError(f"{proc.name} not healthy after {timeout:.0f}s ({last}):\n{proc.log_tail()}")
+
+
+@dataclass
+class ServerConfig:
+    """What one sglang server runs with. ``role``: colocated | prefill | decode."""
+
+    role: str
+    model_path: Path = DEFAULT_MODEL
+    backend: str = "mooncake"
+    max_total_tokens: int = 4096
+    page_size: int = 1
+    context_length: int | None = None
+    allow_auto_truncate: bool = False
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SGLangServer:
+    """A running ``python -m sglang.launch_server`` on 127.0.0.1."""
+
+    config: ServerConfig
+    port: int
+    process: ManagedProcess
+    bootstrap_port: int | None = None
+    log_dir: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ports(self) -> set[int]:
+        return {p for p in (self.port, self.bootstrap_port) if p is not None}
+
+    def stop(self) -> None:
+        self.process.stop()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the Prometheus metric ``name`` on this server (see ``metrics.metric_total``)."""
+        return metric_total(self.url, name, **labels)
+
+    def limits(self) -> Limits:
+        """The prompt limits this server advertises now (``/model_info``)."""
+        return Limits.of(self.url)
+
+    def server_info(self) -> dict[str, Any]:
+        return requests.get(self.url + "/server_info", timeout=10).json()
+
+
+PORT_ATTEMPTS = 3
+
+
+def launch_server(cfg: ServerConfig, log_dir: Path, *, wait: bool = True) -> SGLangServer:
+    """Start one server; with ``wait`` return only once it answers /health (see wait_server)."""
+    server = _spawn_server(cfg, log_dir)
+    if wait:
+        wait_server(server)
+    return server
+
+
+def wait_server(server: SGLangServer) -> None:
+    """Wait until ``server`` answers /health; stop it if it never does.
+
+    If another process took one of its ports first, restart it on fresh ports (up to
+    PORT_ATTEMPTS starts in all); ``server.port`` and ``server.url`` then change. Call this
+    before anything (a router) is given the server's ports."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            wait_healthy(server.process, server.url, ports=server.ports)
+            return
+        except PortTaken:
+            server.process.stop()
+            if attempt == PORT_ATTEMPTS:
+                raise
+            assert server.log_dir is not None
+            fresh = _spawn_server(server.config, server.log_dir)
+            server.port, server.bootstrap_port = fresh.port, fresh.bootstrap_port
+            server.process = fresh.process
+        except BaseException:
+            server.process.stop()
+            raise
+
+
+def _spawn_server(cfg: ServerConfig, log_dir: Path) -> SGLangServer:
+    port = reserve_port()
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(cfg.model_path),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--device", "cpu", "--dtype", "float32",
+        "--max-total-tokens", str(cfg.max_total_tokens),
+        "--page-size", str(cfg.page_size),
+        "--random-seed", "0",
+        "--enable-metrics",
+        "--log-level", "info",
+        # An idle scheduler otherwise spins a core; the harness keeps several stacks alive on
+        # a 2-core machine. It sleeps only when fully idle (no PD queue holds a request).
+        "--sleep-on-idle",
+    ]
+    if cfg.context_length:
+        argv += ["--context-length", str(cfg.context_length)]
+    if cfg.allow_auto_truncate:
+        argv += ["--allow-auto-truncate"]
+    bootstrap_port = None
+    if cfg.role in ("prefill", "decode"):
+        argv += [
+            "--disaggregation-mode", cfg.role,
+            "--disaggregation-transfer-backend", cfg.backend,
+        ]
+        if cfg.role == "prefill":
+            bootstrap_port = reserve_port()
+            argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        else:
+            argv += ["--disaggregation-decode-retraction-backup", "none"]
+    argv += cfg.extra_args
+    name = f"{cfg.role}-{cfg.backend if cfg.role != 'colocated' else 'ref'}-{port}"
+    proc = ManagedProcess(name, argv, server_env(cfg.env), log_dir / f"{name}.log")
+    proc.start()
+    return SGLangServer(cfg, port, proc, bootstrap_port, log_dir)
+
+
+@dataclass
+class Router:
+    """The real PD router (``smg launch --pd-disaggregation``) in front of a PD pair."""
+
+    port: int
+    process: ManagedProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def launch_router(prefill: SGLangServer, decode: SGLangServer, log_dir: Path) -> Router:
+    """Start the router in front of a healthy pair (on fresh ports if one was taken)."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _launch_router_once(prefill, decode, log_dir)
+        except PortTaken:
+            if attempt == PORT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch_router_once(prefill: SGLangServer, decode: SGLangServer, log_dir: Path) -> Router:
+    port, metrics_port = reserve_port(), reserve_port()
+    smg = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
+    if smg is None:
+        raise StartupError("the `smg` router is not installed (pip install smg; see README)")
+    argv = [
+        smg, "launch", "--pd-disaggregation",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        "--prefill", prefill.url, str(prefill.bootstrap_port),
+        "--decode", decode.url,
+        "--policy", "round_robin",
+        # Tests judge every answer: no silent re-sends, and no circuit breaker or strict health
+        # timeouts that a loaded 2-core machine trips while the workers are merely slow.
+        "--disable-retries", "--disable-circuit-breaker",
+        "--health-check-timeout-secs", "30", "--health-failure-threshold", "20",
+        "--worker-startup-timeout-secs", "600",
+    ]
+    proc = ManagedProcess(f"router-{port}", argv, server_env(), log_dir / f"router-{port}.log")
+    proc.start()
+    router = Router(port, proc)
+    try:
+        wait_healthy(proc, router.url, "/health", ports={port, metrics_port})
+        # The router's health answers before it has probed the workers: wait for a
+        # real generation to go through.
+        deadline = time.monotonic() + 300
+        while True:
+            r = requests.post(router.url + "/generate", json={
+                "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1,
+                                                              "temperature": 0}}, timeout=60)
+            if r.status_code == 200:
+                break
+            if time.monotonic() > deadline:
+                raise StartupError(f"router never served a request: {r.status_code} {r.text}")
+            time.sleep(1.0)
+    except BaseException:
+        proc.stop()
+        raise
+    return router
+
+
+@dataclass
+class PDStack:
+    """A prefill server, a decode server and the router in front of them."""
+
+    backend: str
+    prefill: SGLangServer
+    decode: SGLangServer
+    router: Router | None
+
+    def stop(self) -> None:
+        for p in (self.router, self.decode, self.prefill):
+            if p is not None:
+                p.stop()
+
+
+@contextmanager
+def pd_stack(
+    backend: str,
+    log_dir: Path,
+    *,
+    prefill: ServerConfig | None = None,
+    decode: ServerConfig | None = None,
+    with_router: bool = True,
+) -> Iterator[PDStack]:
+    """Start prefill + decode (in parallel) and, optionally, the router; stop all on exit."""
+    pcfg = prefill or ServerConfig(role="prefill")
+    dcfg = decode or ServerConfig(role="decode")
+    pcfg.role, dcfg.role = "prefill", "decode"
+    pcfg.backend = dcfg.backend = backend
+    p = launch_server(pcfg, log_dir, wait=False)
+    d = launch_server(dcfg, log_dir, wait=False)
+    router = None
+    try:
+        wait_server(p)
+        wait_server(d)
+        if with_router:
+            router = launch_router(p, d, log_dir)
+        stack = PDStack(backend, p, d, router)
+        yield stack
+    finally:
+        for x in (router, d, p):
+            if x is not None:
+                x.stop()
+
+
+@contextmanager
+def colocated_server(log_dir: Path, cfg: ServerConfig | None = None) -> Iterator[SGLangServer]:
+    cfg = cfg or ServerConfig(role="colocated")
+    cfg.role = "colocated"
+    s = launch_server(cfg, log_dir)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+# --------------------------------------------------------------------------- clients
+
+
+@dataclass
+class GenResult:
+    """One /generate answer: HTTP status, output token ids (empty on error), raw body."""
+
+    status: int
+    output_ids: list[int]
+    body: Any
+    prompt_tokens: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+    @property
+    def error_message(self) -> str:
+        return error_message(self.body)
+
+
+def error_message(body: Any) -> str:
+    """The message of an error body: sglang-pdsafe's and upstream's (``{"error": {...}}``), the
+    OpenAI handlers' (flat) or the router's (which may wrap a server's body as a string)."""
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            msg = err.get("message", err)
+            return error_message(msg) if isinstance(msg, dict) else str(msg)
+        return str(err)
+    return str(body)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The prompt limits one server advertises in ``/model_info`` (sglang-pdsafe, patch 0009).
+
+    ``max_req_input_len``: the shortest prompt the server refuses (its scheduler door and HTTP
+    layer refuse ``len >= max_req_input_len``); ``max_prompt_tokens`` (= that - 1): the longest
+    prompt it accepts. On a decode server both already include the pre-allocation of the
+    prompt's pages plus the reserved decode tokens (patch 0013). Tests read these instead of
+    recomputing them from the configuration.
+    """
+
+    context_length: int
+    max_req_input_len: int
+    max_prompt_tokens: int
+    kv_capacity_tokens: int
+
+    @classmethod
+    def of(cls, url: str) -> Limits:
+        info = requests.get(url + "/model_info", timeout=30).json()
+        missing = [k for k in cls.__dataclass_fields__ if not isinstance(info.get(k), int)]
+        if missing:
+            raise AssertionError(f"{url}/model_info does not advertise {missing}: {info}")
+        return cls(**{k: info[k] for k in cls.__dataclass_fields__})
+
+
+def _parse_generate(status: int, body: Any) -> GenResult:
+    if status == 200 and isinstance(body, dict) and "output_ids" in body:
+        return GenResult(status, list(body["output_ids"]), body,
+                         body.get("meta_info", {}).get("prompt_tokens"))
+    return GenResult(status, [], body)
+
+
+def generate(url: str, input_ids: Sequence[int], max_new_tokens: int = 16, *,
+             stream: bool = False, timeout: float = 120.0, **extra: Any) -> GenResult:
+    """Greedy /generate by token ids. Streaming answers are reassembled into one result."""
+    payload: dict[str, Any] = {
+        "input_ids": list(input_ids),
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+                            "ignore_eos": True},
+        "stream": stream,
+    }
+    payload.update(extra)
+    if not stream:
+        r = requests.post(url + "/generate", json=payload, timeout=timeout)
+        try:
+            body = r.json()
+        except ValueError:
+            body = r.text
+        return _parse_generate(r.status_code, body)
+    with requests.post(url + "/generate", json=payload, timeout=timeout, stream=True) as r:
+        if r.status_code != 200:
+            try:
+                body = r.json()
+            except ValueError:
+                body = r.text
+            return GenResult(r.status_code, [], body)
+        last: Any = None
+        for line in r.iter_lines():
+            if not line or not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk or chunk.get("object") == "error":
+                return GenResult(400 if "error" in chunk else 500, [], chunk)
+            last = chunk
+        return _parse_generate(200, last) if last else GenResult(200, [], None)
+
+
+def direct_pd_generate(stack: PDStack, input_ids: Sequence[int], max_new_tokens: int = 16,
+                       *, room: int | None = None, timeout: float = 120.0,
+                       **extra: Any) -> tuple[GenResult, GenResult]:
+    """Send one request to prefill and decode directly (what the router does), in parallel."""
+    room = room if room is not None else random.randrange(1 << 62)
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": stack.prefill.bootstrap_port,
+            "bootstrap_room": room}
+    out: dict[str, GenResult] = {}
+
+    def go(key: str, url: str) -> None:
+        out[key] = generate(url, input_ids, max_new_tokens, timeout=timeout, **boot, **extra)
+
+    ts = [threading.Thread(target=go, args=(k, u))
+          for k, u in (("p", stack.prefill.url), ("d", stack.decode.url))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out["p"], out["d"]
+
+
+def new_log_dir(prefix: str = "pdsafe-") -> Path:
+    base = os.environ.get("PDSAFE_LOG_DIR")
+    if base:
+        Path(base).mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    return Path(tempfile.mkdtemp(prefix=prefix))

@@ -1,0 +1,44 @@
+"""The client guard's logic (``sglang.pdsafe.client_guard``), no servers: its reserved values
+are upstream's, and only server-built requests may carry them.
+With real servers: test/admission/test_client_guard.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sglang.pdsafe import client_guard
+from sglang.pdsafe.client_guard import FAKE_BOOTSTRAP_HOST as FAKE
+
+
+def test_guard_constants_match_upstream():
+    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    assert client_guard.FAKE_BOOTSTRAP_HOST == FAKE_BOOTSTRAP_HOST
+    assert client_guard.HEALTH_CHECK_RID_PREFIX == HEALTH_CHECK_RID_PREFIX
+
+
+class _Req:
+    def __init__(self, path: str = "/generate", method: str = "POST",
+                 headers: dict | None = None) -> None:
+        self.url = type("U", (), {"path": path})()
+        self.method = method
+        self.headers = headers or {}
+
+
+class _Obj:
+    def __init__(self, host: Any = None, rid: Any = None) -> None:
+        self.bootstrap_host, self.rid = host, rid
+
+
+def test_guard_trusts_only_server_built_requests():
+    spoof = _Obj(host=FAKE, rid="HEALTH_CHECK_1")
+    client_guard.check_client_request(spoof, None)  # in-process (warmup.py, Engine)
+    client_guard.check_client_request(spoof, _Req("/health_generate", "GET"))
+    client_guard.check_client_request(spoof, _Req(headers=client_guard.internal_headers()))
+    for req in (_Req(), _Req("/health_generate", "POST"),
+                _Req(headers={client_guard.INTERNAL_HEADER: "guess"})):
+        with pytest.raises(client_guard.SpoofedInternalFieldError):
+            client_guard.check_client_request(spoof, req)
+    client_guard.check_client_request(_Obj(host=["127.0.0.1", None], rid=["a", None]), _Req())

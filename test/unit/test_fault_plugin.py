@@ -1,0 +1,144 @@
+"""The test-only fault plugin (``pdsafe_testkit.faults``) through sglang's own plugin loader.
+
+Each case runs in a fresh interpreter, as a server process would: sglang's ``load_plugins()``
+discovers the ``sglang.srt.plugins`` entry point of the installed testkit, the plugin registers
+its ``HookRegistry`` hook, and ``apply_hooks`` patches ``sglang.pdsafe.commit_gate.admit_commit``.
+A caller that looks the gate up through the module at call time (as the patched decode
+scheduler does) must then run the fault right before the coverage check. Real sglang KV pools
+(``MHATokenToKVPool``, ``ReqToTokenPool``, ``TokenToKVPoolAllocator``) and real ``Req`` /
+``DecodeRequest`` objects; only the scheduler and transfer queue are namespaces holding them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+FAULT_ENV = "SGLANG_PDSAFE_TEST_FAULTS"
+
+ARMED = r"""
+import json, logging, sys
+from types import SimpleNamespace
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+import torch
+from sglang.pdsafe import commit_gate, coverage
+from sglang.srt.disaggregation.decode import DecodeRequest
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.plugins import load_plugins
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+# In a dict, not a module global: apply_hooks rebinds every module attribute that is the
+# original function (sys.modules-wide), __main__'s globals included.
+keep = {"original": commit_gate.admit_commit}
+seen = []
+
+def fake_admit(tq, dr):  # stands in for the coverage check: records what it saw
+    seen.append((dr.req.rid, k(0, dr.req).tolist()))
+    return "coverage-verdict"
+
+coverage.admit = fake_admit
+
+def caller(tq, dr):  # looks the gate up at call time, like the patched scheduler
+    return commit_gate.admit_commit(tq, dr)
+
+load_plugins()
+
+pool = MHATokenToKVPool(size=64, page_size=1, dtype=torch.float32, head_num=2, head_dim=4,
+                        layer_num=2, device="cpu", enable_memory_saver=False,
+                        enable_alt_stream=False)
+alloc = TokenToKVPoolAllocator(64, torch.float32, "cpu", pool, need_sort=False)
+rtt = ReqToTokenPool(size=4, max_context_len=32, device="cpu", enable_memory_saver=False)
+for layer in range(pool.layer_num):  # every position and layer holds distinct content
+    pool.get_key_buffer(layer).copy_(
+        torch.arange(pool.get_key_buffer(layer).numel(), dtype=torch.float32)
+        .reshape(pool.get_key_buffer(layer).shape) + 1000 * layer)
+    pool.get_value_buffer(layer).copy_(-pool.get_key_buffer(layer))
+sched = SimpleNamespace(req_to_token_pool=rtt, token_to_kv_pool_allocator=alloc)
+tq = SimpleNamespace(scheduler=sched)
+
+def make(row, rid, n=10):
+    req = Req(rid, "", list(range(n)), SamplingParams())
+    req.kv.req_pool_idx = row
+    rtt.req_to_token[row, :n] = alloc.alloc(n).to(torch.int32)
+    return req
+
+def k(layer, req):
+    locs = rtt.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids)].long()
+    return pool.get_key_buffer(layer)[locs][:, 0, 0]
+
+def v(layer, req):
+    locs = rtt.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids)].long()
+    return pool.get_value_buffer(layer)[locs][:, 0, 0]
+
+a, b, c = make(1, "pdsafe-fault-source-x"), make(2, "pdsafe-fault-inject-x"), make(3, "plain")
+before = {r.rid: [[k(i, r).tolist(), v(i, r).tolist()] for i in range(2)] for r in (a, b, c)}
+verdicts = [caller(tq, DecodeRequest(req=r, kv_receiver=None)) for r in (c, a, b)]
+after = {r.rid: [[k(i, r).tolist(), v(i, r).tolist()] for i in range(2)] for r in (a, b, c)}
+print(json.dumps({
+    "wrapped": commit_gate.admit_commit is not keep["original"],
+    "inner": getattr(commit_gate.admit_commit, "__wrapped__", None) is keep["original"],
+    "verdicts": verdicts, "seen": seen, "before": before, "after": after,
+}))
+"""
+
+UNARMED = r"""
+import json, logging, os, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from sglang.pdsafe import commit_gate
+from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins, load_plugins_by_group
+
+# In a dict, not a module global: apply_hooks rebinds every module attribute that is the
+# original function (sys.modules-wide), __main__'s globals included.
+keep = {"original": commit_gate.admit_commit}
+discovered = sorted(load_plugins_by_group(GENERAL_PLUGINS_GROUP))
+os.environ["SGLANG_PLUGINS"] = "some_other_plugin"
+whitelisted = sorted(load_plugins_by_group(GENERAL_PLUGINS_GROUP))
+del os.environ["SGLANG_PLUGINS"]
+load_plugins()
+print(json.dumps({"discovered": discovered, "whitelisted": whitelisted,
+                  "wrapped": commit_gate.admit_commit is not keep["original"]}))
+"""
+
+
+def _run(script: str, **env: str | None) -> tuple[dict, str]:
+    e = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, "SGLANG_PLUGINS")}
+    e.update({k: v for k, v in env.items() if v is not None})
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=300, env=e)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+def test_armed_plugin_injects_foreign_kv_right_before_the_coverage_check():
+    out, log = _run(ARMED, **{FAULT_ENV: "foreign_kv:4"})
+    assert "Loaded plugin pdsafe_test_faults" in log, log[-3000:]
+    assert "TEST FAULT ARMED" in log, log[-3000:]
+    assert out["wrapped"] and out["inner"], "admit_commit was not hooked by the plugin"
+    # The gate's verdict is the coverage check's, unchanged, for every request.
+    assert out["verdicts"] == ["coverage-verdict"] * 3
+    before, after = out["before"], out["after"]
+    src, inj, plain = "pdsafe-fault-source-x", "pdsafe-fault-inject-x", "plain"
+    assert after[src] == before[src] and after[plain] == before[plain]
+    for layer in range(2):
+        for kv in range(2):  # K and V
+            assert after[inj][layer][kv][:6] == before[inj][layer][kv][:6]
+            assert after[inj][layer][kv][6:] == before[src][layer][kv][6:], (layer, kv)
+            assert before[inj][layer][kv][6:] != before[src][layer][kv][6:]
+    # The coverage check ran after the fault: it already saw the foreign KV.
+    assert [rid for rid, _ in out["seen"]] == [plain, src, inj]
+    assert out["seen"][2][1] == after[inj][0][0]
+
+
+def test_unarmed_plugin_hooks_nothing_and_sglang_plugins_whitelist_applies():
+    """Unarmed: the plugin loads and hooks nothing. With ``SGLANG_PLUGINS`` naming other plugins
+    sglang's loader never loads it, so even an armed variable would arm nothing."""
+    out, log = _run(UNARMED)
+    assert "pdsafe_test_faults" in out["discovered"]
+    assert "pdsafe_test_faults" not in out["whitelisted"]
+    assert out["wrapped"] is False
+    assert "TEST FAULT ARMED" not in log
+

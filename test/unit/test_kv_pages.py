@@ -1,0 +1,84 @@
+"""The page-content oracle of ``pdsafe_testkit.kv.pages`` on plain numpy pools (no processes).
+
+Invariant: ``classify_pages`` tells apart, per page and per layer's K/V, this request's data at
+the right place (OWN), another room's data with that room decoded (FOREIGN), never-written
+decode memory (POISON), unwritten prefill memory (STALE_SOURCE), own data at the wrong place
+(MISPLACED), damaged rows (CORRUPT) and mixtures (MIXED); rows past the request are ignored.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pdsafe_testkit.kv.pages import (
+    PageKind,
+    classify_pages,
+    fill_data_pages,
+    fill_poison_pages,
+    fill_stale_pages,
+)
+
+PS = 4
+NUM_PAGES = 8
+LAYER_KV = [(0, 0), (1, 0), (0, 1), (1, 1)]  # K0 K1 V0 V1, the pool order
+ROOM_A = 2**63 - 12345  # rooms are 63-bit
+ROOM_B = 7
+
+
+def _pool() -> list[np.ndarray]:
+    bufs = [np.zeros(((NUM_PAGES + 1) * PS, 8), dtype=np.int64) for _ in LAYER_KV]
+    fill_poison_pages(bufs, LAYER_KV, range(1, NUM_PAGES + 1), PS)
+    return bufs
+
+
+def _classify(bufs: list[np.ndarray], pages: list[int], room: int, n: int) -> list:
+    return classify_pages(bufs, LAYER_KV, page_size=PS, pages=pages, room=room, num_tokens=n)
+
+
+def test_own_foreign_poison() -> None:
+    bufs = _pool()
+    fill_data_pages(bufs, LAYER_KV, [3, 1], PS, ROOM_A, 0, 2 * PS)
+    own = _classify(bufs, [3, 1], ROOM_A, 2 * PS)
+    assert [v.kind for v in own] == [PageKind.OWN, PageKind.OWN]
+    assert all(v.rooms == (ROOM_A,) and len(v.buffers) == 4 for v in own)
+    foreign = _classify(bufs, [3, 1, 5], ROOM_B, 3 * PS)
+    assert [v.kind for v in foreign] == [PageKind.FOREIGN, PageKind.FOREIGN, PageKind.POISON]
+    assert foreign[0].foreign_rooms(ROOM_B) == (ROOM_A,)
+
+
+def test_misplaced_positions_and_layers() -> None:
+    bufs = _pool()
+    fill_data_pages(bufs, LAYER_KV, [1, 2], PS, ROOM_A, 0, 2 * PS)
+    # pages swapped: right room, wrong token positions
+    assert {v.kind for v in _classify(bufs, [2, 1], ROOM_A, 2 * PS)} == {PageKind.MISPLACED}
+    # layer 0's K landed in layer 1's K
+    bufs[1][:] = bufs[0]
+    v = _classify(bufs, [1, 2], ROOM_A, 2 * PS)[0]
+    assert v.kind is PageKind.MIXED
+    assert [b.kind for b in v.buffers] == [
+        PageKind.OWN,
+        PageKind.MISPLACED,
+        PageKind.OWN,
+        PageKind.OWN,
+    ]
+
+
+def test_partial_page_stale_and_ignored_tail() -> None:
+    bufs = _pool()
+    fill_stale_pages(bufs, LAYER_KV, [4], PS)
+    fill_data_pages(bufs, LAYER_KV, [4], PS, ROOM_A, 0, 1)  # one token of four written
+    v = _classify(bufs, [4], ROOM_A, PS)[0]
+    assert v.kind is PageKind.MIXED
+    assert v.buffers[0].kinds == (PageKind.OWN,) + (PageKind.STALE_SOURCE,) * (PS - 1)
+    # the same page as the last page of a 1-token request: rows past the request are ignored
+    assert _classify(bufs, [4], ROOM_A, 1)[0].kind is PageKind.OWN
+
+
+def test_corrupt_row_and_bad_arguments() -> None:
+    bufs = _pool()
+    fill_data_pages(bufs, LAYER_KV, [6], PS, ROOM_A, 0, PS)
+    bufs[2][6 * PS + 1, 5] ^= 1  # one bit of one check word of V0, row 1
+    v = _classify(bufs, [6], ROOM_A, PS)[0]
+    assert v.buffers[2].kinds[1] is PageKind.CORRUPT and v.kind is PageKind.MIXED
+    with pytest.raises(ValueError):
+        _classify(bufs, [6], ROOM_A, PS + 1)

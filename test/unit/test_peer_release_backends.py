@@ -1,0 +1,117 @@
+"""Peer release on every backend, without servers: each backend's real prefill ABORT handler and
+status path, driven with the frames peer release sends (``sglang.pdsafe.peer_release``).
+MORI and Ascend cannot run here (ROCm/Ascend hardware), so this is their check that the same
+common-layer logic runs for them. With real servers: test/pd/test_peer_release.py.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+import pytest
+
+
+def _stub_mori() -> dict[str, Any]:
+    """Import stand-ins for the ``mori`` package (ROCm/RDMA only), enough to import its conn."""
+    import sys
+    import types
+    from unittest import mock
+
+    saved = {k: sys.modules.get(k) for k in ("mori", "mori.cpp", "mori.io")}
+    root = types.ModuleType("mori")
+    for sub in ("cpp", "io"):
+        m = mock.MagicMock(name=f"mori.{sub}")
+        setattr(root, sub, m)
+        sys.modules[f"mori.{sub}"] = m
+    sys.modules["mori"] = root
+    return saved
+
+
+def _backend_managers() -> dict[str, type]:
+    import sys
+
+    from sglang.srt.disaggregation.ascend.conn import AscendKVManager
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+
+    saved = _stub_mori()
+    try:
+        from sglang.srt.disaggregation.mori.conn import MoriKVManager
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    return {"mooncake": MooncakeKVManager, "nixl": NixlKVManager, "mori": MoriKVManager,
+            "ascend": AscendKVManager}
+
+
+def _prefill_manager(cls: type) -> tuple[Any, list[tuple[str, list[bytes]]]]:
+    """A prefill-side manager of ``cls`` with just the state its control thread touches; the
+    control socket is replaced by a recorder."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    m = object.__new__(cls)
+    m.disaggregation_mode = DisaggregationMode.PREFILL
+    m.request_status, m.transfer_infos, m.req_to_decode_prefix_len = {}, {}, {}
+    m.failure_lock, m.failure_records = threading.Lock(), {}
+    m.enable_deferred_decode_kv_release = False
+    m.attn_tp_rank = m.pp_rank = m.attn_cp_rank = 0
+    m.pp_size = m.attn_cp_size = 1
+    m.transfer_lock, m._abort_ack_lock = threading.Lock(), threading.Lock()
+    m._deferred_ack_targets, m._deferred_ack_poisoned_rooms = {}, set()
+    m._staging_outstanding = {}
+    sent: list[tuple[str, list[bytes]]] = []
+    m._send_multipart_locked = lambda ep, parts, is_ipv6=False: sent.append((ep, list(parts)))
+    return m, sent
+
+
+def _abort_handler(m: Any):
+    return getattr(m, "_handle_abort_message", None) or m._handle_abort_notification
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl", "mori", "ascend"])
+def test_every_backend_answers_refused_rooms_through_the_common_layer(backend):
+    """No servers: each backend's real prefill ABORT handler and status path, driven with the
+    frames peer release sends. MORI and Ascend cannot run here (ROCm/Ascend hardware), so this
+    is their check that the same common-layer logic runs for them.
+
+    Room A: decode's metadata is there (no sender); a refusal notice from the prefill's own HTTP
+    layer must answer decode Failed with the reason, drop the metadata and the status entry.
+    Room B: the refusal arrives first; decode's metadata arriving later must be answered at once
+    and never recorded as bootstrapped.
+    """
+    from types import SimpleNamespace
+
+    from sglang.pdsafe import metrics, peer_release
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    m, sent = _prefill_manager(_backend_managers()[backend])
+    handler = _abort_handler(m)
+    info = SimpleNamespace(endpoint="127.0.0.1", dst_port=4321, is_dummy=False)
+    before = metrics.value("peer_notified_release_total")
+
+    room_a = random.randrange(1 << 62)
+    m.transfer_infos[room_a] = {"decode-0": info}
+    m.request_status[room_a] = KVPoll.WaitingForInput  # what the metadata alone leaves behind
+    reason = "ValueError: The input (400 tokens) is longer than the context length (320)"
+    handler([b"ABORT", str(room_a).encode(), peer_release._wire(peer_release.ORIGIN_HTTP, reason)])
+    assert len(sent) == 1, f"{backend}: decode was not answered: {sent}"
+    endpoint, parts = sent[0]
+    assert endpoint == "tcp://127.0.0.1:4321"
+    parsed = m.parse_kv_status_message(parts)  # what decode's control thread will read
+    assert parsed is not None and parsed[0] == room_a and parsed[1] == int(KVPoll.Failed)
+    assert parsed[3] and "400 tokens" in parsed[3], parsed
+    assert room_a not in m.transfer_infos and room_a not in m.request_status
+
+    room_b = random.randrange(1 << 62)
+    handler([b"ABORT", str(room_b).encode(), peer_release._wire(peer_release.ORIGIN_HTTP, reason)])
+    assert len(sent) == 1, "nothing to answer before decode's metadata arrives"
+    m.transfer_infos[room_b] = {"decode-0": info}
+    m.update_status(room_b, KVPoll.WaitingForInput)  # the backend's "metadata complete" call
+    assert len(sent) == 2 and m.parse_kv_status_message(sent[1][1])[1] == int(KVPoll.Failed)
+    assert room_b not in m.request_status, "a refused room must never look bootstrapped"
+    assert metrics.value("peer_notified_release_total") >= before + 2
