@@ -1,0 +1,562 @@
+"""The scenario registry: named, documented fault scenarios, each judged request by request.
+
+A scenario is a ``Scenario`` entry: its docstring (the function's) says what it does, what a
+leak would look like and which upstream gap it probes (``../shared/UPSTREAM-GAPS.md``); its
+``stack`` names the PD configuration it needs (``targets.STACK_KINDS``); ``deployment_ok`` says
+whether it can run against an operator's deployment (no server-side fault injection, restart or
+special configuration). Scenarios the benchmark cannot run yet are registered with status
+``not_implemented`` and the reason, and reported as such, never silently left out.
+
+Every implemented scenario follows one pattern: phases of requests, each phase sent
+concurrently, judged against the reference (``outcomes.classify``), its identical answers
+checked against the transfer counters (``evidence``). Victim requests carry canary prompts
+(``canary``) so a leak names whose content showed up where.
+
+Invariant: a scenario function only sends requests and reads state; it never changes the
+servers' configuration, so a deployment target sees exactly what clients could do.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdsafe_testkit.servers import generate
+
+from benchmark import client
+from benchmark.evidence import Counters, read_counters
+from benchmark.outcomes import (
+    Answer,
+    Outcome,
+    RequestRecord,
+    apply_evidence,
+    classify,
+)
+from benchmark.targets import PDTarget
+
+#: The fake-transfer bootstrap host of upstream (``disaggregation/utils.py``
+#: ``FAKE_BOOTSTRAP_HOST``); hard-coded so the benchmark does not import the server package.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
+
+
+@dataclass
+class Knobs:
+    """Sizes and bounds of a run (``--quick`` shrinks them)."""
+
+    quick: bool = False
+    steady_requests: int = 48
+    victims: int = 4
+    attacks: int = 4
+    concurrency: int = 8
+    max_new: int = 16
+    bound_s: float = 120.0
+    settle_s: float = 20.0
+    evidence_wait_s: float = 5.0
+    divergence_rounds: int = 3
+    seed: int = 0
+
+    @classmethod
+    def for_mode(cls, quick: bool, **over: Any) -> Knobs:
+        k = (cls(quick=True, steady_requests=12, victims=2, attacks=2, concurrency=4,
+                 bound_s=20.0, settle_s=5.0, divergence_rounds=2)
+             if quick else cls())
+        for key, v in over.items():
+            if v is not None:
+                setattr(k, key, v)
+        return k
+
+
+class Reference:
+    """Greedy answers of the co-located reference server, memoized (thread-safe enough: a
+    duplicate lookup only costs a request)."""
+
+    def __init__(self, url: str, bound_s: float = 120.0) -> None:
+        self.url, self.bound_s = url, bound_s
+        self._cache: dict[tuple[tuple[int, ...], int], list[int] | None] = {}
+        self.failures: list[str] = []
+
+    def expected(self, prompt: Sequence[int], max_new: int) -> list[int] | None:
+        key = (tuple(prompt), max_new)
+        if key not in self._cache:
+            r = generate(self.url, prompt, max_new, timeout=self.bound_s)
+            if r.ok:
+                self._cache[key] = r.output_ids
+            else:
+                self._cache[key] = None
+                self.failures.append(f"reference HTTP {r.status} for a {len(prompt)}-token "
+                                     f"prompt: {r.error_message[:200]}")
+        return self._cache[key]
+
+
+@dataclass
+class Job:
+    """One client request of a phase: how to send it and what to judge it against."""
+
+    label: str
+    path: str
+    prompt: list[int]
+    max_new: int
+    call: Callable[[], Answer]
+    canary: int | None = None
+    side: dict[str, Any] = field(default_factory=dict)
+    answer: Answer | None = None
+
+
+@dataclass
+class Ctx:
+    """What a scenario function gets: the target, the oracle, the knobs, and the record."""
+
+    target: PDTarget
+    ref: Reference
+    knobs: Knobs
+    rng: random.Random
+    records: list[RequestRecord] = field(default_factory=list)
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    on_request: Callable[[int], None] = lambda n: None
+
+    # ---------------------------------------------------------------- request builders
+
+    def canary(self, label: str, length: int) -> tuple[int, list[int]]:
+        return self.target.book.prompt(self.rng, label, length)
+
+    def via_router(self, label: str, prompt: list[int], max_new: int | None = None, *,
+                   canary: int | None = None, stream: bool = False, **extra: Any) -> Job:
+        url = self.target.router_url
+        if url is None:
+            raise RuntimeError("this scenario needs the router (--target-router)")
+        mn = max_new or self.knobs.max_new
+        body = client.greedy_payload(prompt, mn, stream=stream, **extra)
+        return Job(label, "router" + ("-stream" if stream else ""), prompt, mn,
+                   lambda: client.send(url, body, bound_s=self.knobs.bound_s), canary)
+
+    def normal(self, label: str, prompt: list[int], max_new: int | None = None, *,
+               canary: int | None = None, stream: bool = False, **extra: Any) -> Job:
+        """A client request the way clients send it: through the router when there is one,
+        else directly to both legs (deployment mode without ``--target-router``)."""
+        if self.target.router_url:
+            return self.via_router(label, prompt, max_new, canary=canary, stream=stream,
+                                   **extra)
+        return self.direct(label, prompt, max_new, canary=canary, **extra)
+
+    def direct(self, label: str, prompt: list[int], max_new: int | None = None, *,
+               canary: int | None = None, room: int | None = None, **extra: Any) -> Job:
+        """Both legs directly (what the router does); judged on decode's answer."""
+        mn = max_new or self.knobs.max_new
+        body = client.greedy_payload(prompt, mn, **extra)
+        job = Job(label, "pd-direct", prompt, mn, lambda: Answer(status=None), canary)
+
+        def call() -> Answer:
+            p, d = client.direct_pd(self.target.prefill_url, self.target.decode_url, body,
+                                    bootstrap_host=self.target.bootstrap_host,
+                                    bootstrap_port=self.target.bootstrap_port, room=room,
+                                    bound_s=self.knobs.bound_s)
+            job.side["prefill"] = (p.status, p.message[:200], p.timed_out)
+            return d
+
+        job.call = call
+        return job
+
+    def decode_only(self, label: str, prompt: list[int], max_new: int | None = None, *,
+                    canary: int | None = None, **extra: Any) -> Job:
+        mn = max_new or self.knobs.max_new
+        body = client.greedy_payload(prompt, mn, **extra)
+        url = self.target.decode_url
+        return Job(label, "decode-direct", prompt, mn,
+                   lambda: client.send(url, body, bound_s=self.knobs.bound_s), canary)
+
+    # ---------------------------------------------------------------- phases
+
+    def run_phase(self, name: str, jobs: Sequence[Job], *, concurrency: int | None = None,
+                  judge: bool = True) -> list[RequestRecord]:
+        """Send ``jobs`` concurrently, judge every answer, charge unproven transfers."""
+        t = self.target
+        before = read_counters(t.prefill_url, t.decode_url)
+        t0 = time.monotonic()
+        width = max(1, min(concurrency or self.knobs.concurrency, len(jobs) or 1))
+
+        def run(job: Job) -> Answer:
+            job.answer = job.call()
+            self.on_request(1)
+            return job.answer
+
+        with ThreadPoolExecutor(max_workers=width) as ex:
+            answers = list(ex.map(run, jobs))
+        wall = time.monotonic() - t0
+        recs = [self._judge(name, j, a) for j, a in zip(jobs, answers, strict=True)]
+        n_ident = sum(r.outcome is Outcome.IDENTICAL for r in recs)
+        delta = self._await_evidence(before, n_ident)
+        short = apply_evidence(recs, delta.proven) if judge else 0
+        self.phases.append({"phase": name, "sent": len(jobs), "wall_s": round(wall, 3),
+                            "transfers": delta.to_json(), "unproven": short})
+        self.records.extend(recs)
+        return recs
+
+    def _await_evidence(self, before: Counters, n_ident: int) -> Counters:
+        t = self.target
+        deadline = time.monotonic() + self.knobs.evidence_wait_s
+        while True:
+            delta = read_counters(t.prefill_url, t.decode_url).minus(before)
+            if delta.proven >= n_ident or time.monotonic() >= deadline:
+                return delta
+            time.sleep(0.25)
+
+    def _judge(self, phase: str, job: Job, ans: Answer) -> RequestRecord:
+        expected = self.ref.expected(job.prompt, job.max_new)
+        outcome, detail = classify(ans, expected)
+        rec = RequestRecord(job.label, job.path, len(job.prompt), job.max_new, outcome, detail,
+                            ans.status, job.canary, phase=phase, e2e_s=ans.e2e_s,
+                            output_head=list(ans.output_ids[:24]),
+                            expected_head=list((expected or [])[:24]))
+        if job.side.get("prefill"):
+            ps, pm, pto = job.side["prefill"]
+            rec.detail = (rec.detail + f" [prefill leg: {'hang' if pto else ps} {pm}]").strip()
+        if outcome is Outcome.LEAK:
+            att = self.target.book.attribute(ans.output_ids, job.canary)
+            rec.leaked_from = att.sources
+            rec.attribution = att.describe()
+        return rec
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One registry entry (see the module docstring)."""
+
+    name: str
+    family: str
+    stack: str
+    fn: Callable[[Ctx], None] | None
+    deployment_ok: bool = False
+    harness_ok: bool = True
+    known_unsafe_upstream: bool = False
+    reason: str = ""
+    doc_override: str = ""
+
+    @property
+    def implemented(self) -> bool:
+        return self.fn is not None
+
+    @property
+    def status(self) -> str:
+        return "implemented" if self.implemented else "not_implemented"
+
+    @property
+    def doc(self) -> str:
+        text = self.doc_override or (self.fn.__doc__ if self.fn else "") or ""
+        return " ".join(text.split())
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "family": self.family, "stack": self.stack,
+                "status": self.status, "deployment_ok": self.deployment_ok,
+                "harness_ok": self.harness_ok,
+                "known_unsafe_upstream": self.known_unsafe_upstream,
+                "doc": self.doc, "reason": self.reason}
+
+
+def _lengths(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
+    return [rng.randint(lo, max(lo, hi)) for _ in range(n)]
+
+
+def _pair_limit(ctx: Ctx) -> tuple[int, dict[str, Any]]:
+    """The longest prompt the pair claims to accept (the smaller side's effective limit)."""
+    lim = ctx.target.limits()
+    eff = [v.effective for v in lim.values() if v.effective]
+    info = {side: vars(v) for side, v in lim.items()}
+    return (min(eff) if eff else 256), info
+
+
+def _victims(ctx: Ctx, n: int, length: int, max_new: int = 16) -> None:
+    """Fill decode's pages with canary KV: ``n`` normal requests through the router (or
+    directly when there is no router), run one by one so their pages are freed in order."""
+    for i in range(n):
+        label = f"victim-{i}"
+        owner, p = ctx.canary(label, length)
+        ctx.run_phase(f"victims-{i}", [ctx.normal(label, p, max_new, canary=owner)],
+                      concurrency=1)
+
+
+def _after(ctx: Ctx, n: int, limit: int) -> None:
+    """Normal requests after the attack: they reuse the pages the attack touched."""
+    jobs = []
+    for i, length in enumerate(_lengths(ctx.rng, n, 24, max(32, limit // 2))):
+        label = f"after-{i}"
+        owner, p = ctx.canary(label, length)
+        jobs.append(ctx.normal(label, p, canary=owner))
+    ctx.run_phase("after", jobs)
+
+
+def steady_state(ctx: Ctx) -> None:
+    """Many concurrent normal requests through the router, no fault: the false-alarm check.
+
+    Canary prompts of random lengths (24 tokens to half the pair's limit), half of them
+    streamed, ``concurrency`` in flight. No variant may show anything but ``identical`` here;
+    a leak would be an answer carrying another concurrent request's tokens (pages handed out
+    twice), a hang a request stuck in a PD queue. Probes no specific upstream gap: it is what
+    every protection must not break, and what the overhead section measures.
+    """
+    limit, info = _pair_limit(ctx)
+    ctx.notes.append(f"pair limit {limit}")
+    jobs = []
+    for i, length in enumerate(_lengths(ctx.rng, ctx.knobs.steady_requests, 24,
+                                        max(32, limit // 2))):
+        label = f"steady-{i}"
+        owner, p = ctx.canary(label, length)
+        jobs.append(ctx.normal(label, p, canary=owner, stream=bool(i % 2)))
+    ctx.run_phase("steady", jobs)
+
+
+def over_capacity(ctx: Ctx) -> None:
+    """Prompts at the pair's limit - 1, limit, limit + 1 and limit + page through the router.
+
+    ``limit`` is the longest prompt the smaller side claims to accept: sglang-pdsafe
+    advertises it (``/model_info`` ``max_prompt_tokens``); stock servers do not, so upstream's
+    own ``max_req_input_len - 1`` (its formula on ``/server_info``'s context length and KV
+    capacity) is used; both variants are probed at upstream's limit, the fork also at its own.
+    Victims fill decode's pages first; normal requests follow. Expected: answers at or below
+    the limit identical, above it an explicit 4xx on every leg. A leak would be a 200 answer
+    decoded over pages prefill never wrote (the incident's placeholder handoff); a hang, a leg
+    left waiting for a peer that already refused the request. Probes UPSTREAM-GAPS 1 (limit
+    checked only in the scheduler, peer not told: the refused request's reservation on the
+    other side is counted in ``pages_reserved_after``). Probes use 4 new tokens so that
+    prompt + answer fit the context length at the limit.
+    """
+    limit, info = _pair_limit(ctx)
+    page = ctx.target.page_size
+    bases = {limit}
+    ups = [v["upstream_max_prompt"] for v in info.values() if v["upstream_max_prompt"]]
+    if ups:
+        bases.add(min(ups))
+    lengths = sorted({n for b in bases for n in (b - 1, b, b + 1, b + page) if n > 16})
+    ctx.notes.append(f"limits {info}; probe lengths {lengths}")
+    _victims(ctx, ctx.knobs.victims, min(limit - 1, 256))
+    jobs = []
+    for n in lengths:
+        label = f"probe-{n}"
+        owner, p = ctx.canary(label, n)
+        jobs.append(ctx.normal(label, p, 4, canary=owner))
+    ctx.run_phase("probes", jobs, concurrency=len(jobs))
+    _after(ctx, ctx.knobs.victims, limit)
+
+
+def spoof_fake_bootstrap_host(ctx: Ctx) -> None:
+    """A client sends ``bootstrap_host: "2.2.2.2"`` (upstream's fake-transfer marker) directly to
+    decode.
+
+    Victims first fill decode's pages with canary KV through the router. Stock 0.5.23 copies
+    the client's bootstrap host into the request, skips the KV transfer (``fake/conn.py``) and
+    decodes over pages nobody wrote for this request: HTTP 200 whose tokens are the victims'
+    (a leak naming the victim). Expected: an explicit 400 (the host is server-internal).
+    Probes UPSTREAM-GAPS 1, "fake transfer reachable by clients".
+    """
+    limit, _ = _pair_limit(ctx)
+    _victims(ctx, ctx.knobs.victims, min(limit - 1, 200))
+    jobs = []
+    for i in range(ctx.knobs.attacks):
+        label = f"spoof-host-{i}"
+        owner, p = ctx.canary(label, min(limit - 1, 200))
+        jobs.append(ctx.decode_only(label, p, canary=owner, bootstrap_host=FAKE_BOOTSTRAP_HOST,
+                                    bootstrap_port=ctx.target.bootstrap_port,
+                                    bootstrap_room=ctx.rng.randrange(1 << 62)))
+    ctx.run_phase("spoof", jobs)
+    _after(ctx, ctx.knobs.victims, limit)
+
+
+def spoof_health_check_rid(ctx: Ctx) -> None:
+    """Client requests whose rid looks like the server's own health check (``HEALTH_CHECK...``),
+    through the router and directly to both legs.
+
+    Upstream exempts such rids from the KV checksum and from metrics. The content of the answer
+    is not at risk on this harness (the checksum is off by default and CUDA-only), so stock
+    0.5.23 is expected to answer identical or ``unproven`` (its transfer metrics skip the rid);
+    sglang-pdsafe refuses the rid with an explicit 400. A leak would only appear together with a
+    corruption fault (not implemented yet). Probes UPSTREAM-GAPS 1 (client-reachable
+    ``HEALTH_CHECK`` prefix) and 3 (checksum fails open for that prefix).
+    """
+    limit, _ = _pair_limit(ctx)
+    _victims(ctx, ctx.knobs.victims, min(limit - 1, 128))
+    jobs = []
+    for i in range(ctx.knobs.attacks):
+        label = f"spoof-rid-{i}"
+        owner, p = ctx.canary(label, min(limit - 1, 128))
+        rid = f"{HEALTH_CHECK_PREFIX}_{uuid.uuid4().hex}"
+        jobs.append(ctx.via_router(label, p, canary=owner, rid=rid) if i % 2 == 0
+                    and ctx.target.router_url else ctx.direct(label, p, canary=owner, rid=rid))
+    ctx.run_phase("spoof", jobs)
+    _after(ctx, ctx.knobs.victims, limit)
+
+
+def room_duplicate_concurrent(ctx: Ctx) -> None:
+    """Pairs of requests with different canary prompts and the SAME client-chosen
+    ``bootstrap_room``, each sent directly to prefill and decode, all at once.
+
+    Upstream keys prefill's transfer bookkeeping and decode's commit check by the room alone
+    (no generation, no owner), so two requests sharing a room can receive each other's KV or
+    strand one another. A leak: request A's answer carries B's canary tokens (the report names
+    B). A hang: one of the pair never gets its KV. Expected: both answers identical, or an
+    explicit error for the one that cannot be told apart. Probes UPSTREAM-GAPS 2 (room ids are
+    client supplied, no generation on KV_STATUS / aux data).
+    """
+    limit, _ = _pair_limit(ctx)
+    _victims(ctx, ctx.knobs.victims, min(limit - 1, 160))
+    jobs = []
+    for i in range(ctx.knobs.attacks):
+        room = ctx.rng.randrange(1 << 62)
+        for who in ("a", "b"):
+            label = f"room-{i}{who}"
+            owner, p = ctx.canary(label, ctx.rng.randint(48, max(64, min(limit - 1, 200))))
+            jobs.append(ctx.direct(label, p, canary=owner, room=room))
+    ctx.run_phase("duplicates", jobs, concurrency=len(jobs))
+    _after(ctx, ctx.knobs.victims, limit)
+
+
+def room_replay(ctx: Ctx) -> None:
+    """A request A completes with client-chosen room R; then request B (other canary prompt)
+    is sent with the same room R, directly to both legs (a replayed room).
+
+    Upstream forgets nothing about a finished room on purpose (re-bootstrap reuses rooms), so a
+    replay may meet state the first request left (stale transfer info, stale aux row): a leak
+    is B answered with A's tokens, a hang B's decode leg waiting for a transfer that prefill
+    thinks it already did. Expected: B identical or an explicit error. Probes UPSTREAM-GAPS 2.
+    """
+    limit, _ = _pair_limit(ctx)
+    for i in range(ctx.knobs.attacks):
+        room = ctx.rng.randrange(1 << 62)
+        owner_a, a = ctx.canary(f"replay-{i}a", ctx.rng.randint(48, max(64, min(limit - 1, 200))))
+        ctx.run_phase(f"first-{i}", [ctx.direct(f"replay-{i}a", a, canary=owner_a, room=room)])
+        owner_b, b = ctx.canary(f"replay-{i}b", ctx.rng.randint(48, max(64, min(limit - 1, 200))))
+        ctx.run_phase(f"replay-{i}", [ctx.direct(f"replay-{i}b", b, canary=owner_b, room=room)])
+    _after(ctx, ctx.knobs.victims, limit)
+
+
+def divergence_auto_truncate(ctx: Ctx) -> None:
+    """The incident: prefill pool 320 < decode pool 1024, ``--allow-auto-truncate`` on both,
+    page size as configured; a 400-token prompt A after a 300-token victim B.
+
+    Prefill truncates A to its own limit and writes only those positions; decode reserved all
+    400 and, in stock 0.5.23, commits the transfer checking only the room: positions prefill did
+    not write still hold B's KV, and A's answer is HTTP 200 with B's canary tokens (the leak
+    names B). Expected: an explicit 5xx (coverage mismatch) or A's own reference answer. Each
+    round streams A once and not once. Probes UPSTREAM-GAPS 1, "no coverage handshake".
+    """
+    limit, info = _pair_limit(ctx)
+    a_len = 400 if limit < 400 else limit + 80
+    ctx.notes.append(f"limits {info}; A has {a_len} tokens")
+    for i in range(ctx.knobs.divergence_rounds):
+        owner_b, b = ctx.canary(f"victim-B{i}", min(300, limit - 1))
+        ctx.run_phase(f"B{i}", [ctx.normal(f"victim-B{i}", b, 100, canary=owner_b)])
+        owner_a, a = ctx.canary(f"A{i}", a_len)
+        ctx.run_phase(f"A{i}", [ctx.normal(f"A{i}", a, canary=owner_a, stream=bool(i % 2))])
+    _after(ctx, ctx.knobs.victims, limit)
+
+
+_FAULT_HOOKS = ("needs a test-only fault hook of the {stage} stage (pdsafe_testkit.faults plugin) "
+                "that is not there yet; the scenario is registered so the report shows the gap")
+
+
+def _planned(name: str, family: str, doc: str, stage: str, *, unsafe: bool = True,
+             reason: str | None = None) -> Scenario:
+    return Scenario(name, family, "default", None, known_unsafe_upstream=unsafe,
+                    reason=reason or _FAULT_HOOKS.format(stage=stage), doc_override=doc)
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("steady-state", "steady", "default", steady_state, deployment_ok=True),
+    Scenario("over-capacity-p-lt-d", "over-capacity", "p_lt_d", over_capacity,
+             known_unsafe_upstream=True),
+    Scenario("over-capacity-d-lt-p", "over-capacity", "d_lt_p", over_capacity,
+             known_unsafe_upstream=True),
+    Scenario("over-capacity-deployed", "over-capacity", "deployed", over_capacity,
+             deployment_ok=True, harness_ok=False,
+             reason="deployment mode only: the harness runs both capacity orders instead"),
+    Scenario("spoof-fake-bootstrap-host", "spoof", "default", spoof_fake_bootstrap_host,
+             deployment_ok=True, known_unsafe_upstream=True),
+    Scenario("spoof-health-check-rid", "spoof", "default", spoof_health_check_rid,
+             deployment_ok=True),
+    Scenario("room-replay", "room", "default", room_replay, deployment_ok=True,
+             known_unsafe_upstream=True),
+    # Last on the default stack: duplicate rooms crash the decode scheduler (both variants,
+    # measured), and the stack is then restarted only if another scenario needs it.
+    Scenario("room-duplicate-concurrent", "room", "default", room_duplicate_concurrent,
+             deployment_ok=True, known_unsafe_upstream=True),
+    Scenario("divergence-auto-truncate", "divergence", "p_lt_d_truncate",
+             divergence_auto_truncate, known_unsafe_upstream=True),
+    _planned("divergence-context-length", "divergence",
+             "Prefill and decode with different --context-length (page 16 and 64): a prompt that "
+             "diverges inside the last partial page. A leak: decode reads the unwritten tail.",
+             "divergence", unsafe=True,
+             reason="needs per-side --context-length stacks at page 16/64 (not in this "
+                    "skeleton yet); covered by test/pd/test_divergence.py"),
+    _planned("divergence-chat-template", "divergence",
+             "Prefill and decode render a chat with different --chat-template: decode reserves "
+             "more positions than prefill writes. A leak: the stale positions' tokens.",
+             "divergence", unsafe=True,
+             reason="needs per-side --chat-template stacks and /v1/chat/completions judging "
+                    "(not in this skeleton yet); covered by test/pd/test_divergence.py"),
+    *(_planned(f"abort-{phase}", "abort",
+               f"Client disconnect/abort during {what}, interleaved with normal traffic that "
+               "reuses the pages. A leak: a later request decodes over pages the aborted "
+               "request's late transfer wrote (distributed use-after-free).",
+               "ownership")
+      for phase, what in (("bootstrap", "bootstrap"), ("prealloc", "decode pre-allocation"),
+                          ("mid-transfer", "the KV transfer"),
+                          ("after-transfer-before-commit", "the window after the transfer and "
+                                                           "before decode commits"),
+                          ("during-decode", "decoding"))),
+    _planned("late-write-past-abort", "late-write",
+             "A transfer held (test fault) until after decode aborted the request and reused its "
+             "pages. A leak: the late write lands in the new owner's pages.", "ownership"),
+    _planned("late-write-past-release-timeout", "late-write",
+             "A transfer held past upstream's deferred-release timeout (shortened for the run): "
+             "the fail-open timeout frees pages the writer still targets.", "ownership"),
+    _planned("crash-prefill-mid-transfer", "crash",
+             "Prefill killed while writing a request's KV. A leak: decode commits a partial "
+             "transfer; a hang: decode waits for a dead peer.", "ownership",
+             reason="needs a prefill restart inside the harness and a hold-transfer fault hook "
+                    "of the ownership stage (not there yet)"),
+    *(_planned(f"corruption-{what}", "corruption",
+               f"Bytes of transferred KV changed in flight ({desc}), a test-only fault only the "
+               "checksum can catch. A leak: an answer from corrupted KV with HTTP 200.",
+               "checksum")
+      for what, desc in (("one-bit", "one bit"), ("one-page", "one page"),
+                         ("one-layer", "one layer"), ("partial-last-page",
+                                                      "the tail of the partial last page"))),
+    _planned("room-n-greater-1", "room",
+             "n>1 sampling in PD mode: several samples share one bootstrap room. A leak: a "
+             "sample decodes over another sample's or request's pages.", "ownership",
+             reason="needs the ownership stage's per-request generation to tell the samples' "
+                    "transfers apart, and a sampling-aware reference (n greedy samples); "
+                    "not implemented yet"),
+)}
+
+
+def select(names: Sequence[str] | None, *, deployment: bool) -> list[Scenario]:
+    """The scenarios a run covers (all registered ones when ``names`` is empty), in registry
+    order; unknown names raise ``KeyError``."""
+    if names:
+        unknown = [n for n in names if n not in SCENARIOS]
+        if unknown:
+            raise KeyError(f"unknown scenario(s) {unknown}; known: {list(SCENARIOS)}")
+        wanted = set(names)
+        return [s for s in SCENARIOS.values() if s.name in wanted]
+    return list(SCENARIOS.values())
+
+
+def applicable(s: Scenario, *, deployment: bool) -> tuple[bool, str]:
+    """(runs here, why not) for an implemented scenario in this mode."""
+    if not s.implemented:
+        return False, s.reason
+    if deployment and not s.deployment_ok:
+        return False, ("harness only: needs servers in a specific configuration "
+                       f"(stack {s.stack!r}) or server-side faults/restarts")
+    if not deployment and not s.harness_ok:
+        return False, s.reason
+    return True, ""

@@ -1,0 +1,293 @@
+"""What a scenario runs against: a PD pair (prefill, decode, router) plus the co-located reference.
+
+Two ways to get one:
+
+* the CPU harness (``Harness``): real servers started through ``pdsafe_testkit.servers`` on the
+  tiny model, one stack kind (``STACK_KINDS``) per configuration a scenario needs, either
+  variant: ``fork`` = the installed package (the venv's sglang), ``base`` = the tree of
+  ``base_tree`` (``PYTHONPATH`` per server, ``ServerConfig.env``). Every started server's
+  ``/server_info`` ``version`` is checked against the variant (``verify_variant``).
+* an existing deployment (``deployment_target``): URLs given on the command line; nothing is
+  started, restarted or reconfigured, so only scenarios marked ``deployment_ok`` run there.
+
+Invariant: a target's ``variant`` is what its servers report: a ``base`` target whose servers
+report a ``+pdsafe`` version (or a ``fork`` target whose servers do not) raises
+``VariantMismatch`` before any request is judged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import requests
+from pdsafe_testkit.servers import (
+    DEFAULT_MODEL,
+    PDStack,
+    ServerConfig,
+    SGLangServer,
+    StartupError,
+    colocated_server,
+    pd_stack,
+)
+
+from benchmark.base_tree import BaseTree
+from benchmark.canary import CanaryBook
+
+FORK_LABEL = "+pdsafe"
+REFERENCE_POOL = 8192
+
+
+class VariantMismatch(RuntimeError):
+    """A server does not run the variant the benchmark believes it runs."""
+
+
+@dataclass(frozen=True)
+class StackKind:
+    """One PD configuration: pools (= context lengths, the operator's remedy for a pool smaller
+    than the model's context, which the fork requires), auto-truncation, router or not."""
+
+    name: str
+    prefill_pool: int
+    decode_pool: int
+    auto_truncate: bool = False
+    doc: str = ""
+
+
+STACK_KINDS: dict[str, StackKind] = {k.name: k for k in (
+    StackKind("default", 1024, 1024, doc="equal 1024-token pools (the shared test stack)"),
+    StackKind("p_lt_d", 320, 1024, doc="prefill pool 320 < decode pool 1024"),
+    StackKind("d_lt_p", 1024, 768, doc="decode pool 768 < prefill pool 1024"),
+    StackKind("p_lt_d_truncate", 320, 1024, True,
+              doc="the incident: prefill 320 < decode 1024, --allow-auto-truncate on both"),
+    StackKind("d_lt_p_truncate", 1024, 768, True,
+              doc="decode 768 < prefill 1024, --allow-auto-truncate on both"),
+)}
+
+
+def server_info(url: str) -> dict[str, Any]:
+    return requests.get(url + "/server_info", timeout=30).json()
+
+
+def model_info(url: str) -> dict[str, Any]:
+    try:
+        return requests.get(url + "/model_info", timeout=30).json()
+    except (requests.RequestException, ValueError):
+        return {}
+
+
+def variant_of(version: str) -> str:
+    """``fork`` for an sglang-pdsafe version label, ``base`` for anything else."""
+    return "fork" if FORK_LABEL in version else "base"
+
+
+def verify_variant(urls: dict[str, str], expected: str) -> dict[str, str]:
+    """``{role: version}`` of the servers; raise ``VariantMismatch`` unless all run ``expected``."""
+    versions = {role: str(server_info(u).get("version")) for role, u in urls.items()}
+    wrong = {r: v for r, v in versions.items() if variant_of(v) != expected}
+    if wrong:
+        raise VariantMismatch(f"expected {expected} servers, got versions {versions}")
+    return versions
+
+
+@dataclass(frozen=True)
+class SideLimits:
+    """The prompt limits of one server: what it advertises (sglang-pdsafe's ``/model_info``
+    ``max_prompt_tokens``) and upstream's own (``max_req_input_len - 1`` by upstream's formula
+    ``min(context_length - 1, kv_capacity - 1) - 5``: the longest prompt a stock scheduler
+    admits, computed the same way for both variants)."""
+
+    context_length: int | None
+    kv_capacity: int | None
+    upstream_max_prompt: int | None
+    advertised_max_prompt: int | None
+
+    @property
+    def effective(self) -> int | None:
+        return self.advertised_max_prompt or self.upstream_max_prompt
+
+
+def side_limits(url: str) -> SideLimits:
+    si = server_info(url)
+    mi = model_info(url)
+    ctx = si.get("context_length") or mi.get("context_length")
+    cap = si.get("max_total_num_tokens")
+    # Upstream's own formula (tp_worker), from the configuration: the same number for both
+    # variants (the fork's /server_info max_req_input_len already carries its corrections).
+    if isinstance(ctx, int) and isinstance(cap, int):
+        mril = min(ctx - 1, cap - 1) - 5
+    else:
+        mril = si.get("max_req_input_len")
+    adv = mi.get("max_prompt_tokens")
+    return SideLimits(ctx if isinstance(ctx, int) else None, cap if isinstance(cap, int) else None,
+                      mril - 1 if isinstance(mril, int) else None,
+                      adv if isinstance(adv, int) else None)
+
+
+@dataclass
+class PDTarget:
+    """A PD pair under test and everything a scenario needs to talk to it."""
+
+    variant: str
+    backend: str
+    page_size: int
+    kind: str
+    prefill_url: str
+    decode_url: str
+    router_url: str | None
+    bootstrap_host: str
+    bootstrap_port: int
+    versions: dict[str, str]
+    book: CanaryBook
+    stack: PDStack | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def limits(self) -> dict[str, SideLimits]:
+        return {"prefill": side_limits(self.prefill_url), "decode": side_limits(self.decode_url)}
+
+    def down(self) -> list[str]:
+        """The roles (prefill, decode, router) whose /health does not answer 200 now."""
+        urls = {"prefill": self.prefill_url, "decode": self.decode_url}
+        if self.router_url:
+            urls["router"] = self.router_url
+        out = []
+        for role, u in urls.items():
+            try:
+                if requests.get(u + "/health", timeout=10).status_code != 200:
+                    out.append(role)
+            except requests.RequestException:
+                out.append(role)
+        return out
+
+    def healthy(self) -> bool:
+        return not self.down()
+
+    def logs(self) -> dict[str, str]:
+        if self.stack is None:
+            return {}
+        out = {"prefill": str(self.stack.prefill.process.log_path),
+               "decode": str(self.stack.decode.process.log_path)}
+        if self.stack.router is not None:
+            out["router"] = str(self.stack.router.process.log_path)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {"variant": self.variant, "backend": self.backend, "page_size": self.page_size,
+                "kind": self.kind, "prefill": self.prefill_url, "decode": self.decode_url,
+                "router": self.router_url, "versions": self.versions, "logs": self.logs()}
+
+
+def vocab_size(model_path: Path = DEFAULT_MODEL) -> int:
+    import json
+
+    return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+
+
+class Harness:
+    """Starts and stops the CPU harness's servers for both variants (one reference server)."""
+
+    def __init__(self, log_dir: Path, *, base: BaseTree | None, model: Path = DEFAULT_MODEL,
+                 reference_variant: str = "fork") -> None:
+        self.log_dir, self.base, self.model = log_dir, base, model
+        self.reference_variant = reference_variant
+        self._ref_cm: Any = None
+        self.reference: SGLangServer | None = None
+        self.reference_version = ""
+        self.vocab = vocab_size(model)
+
+    def env(self, variant: str) -> dict[str, str]:
+        if variant == "base":
+            if self.base is None:
+                raise ValueError("base variant requested without a base tree")
+            return self.base.env()
+        return {}
+
+    def start_reference(self) -> str:
+        """Start the co-located reference (greedy oracle); return its URL."""
+        if self.reference is None:
+            cfg = ServerConfig(role="colocated", model_path=self.model,
+                               max_total_tokens=REFERENCE_POOL,
+                               env=self.env(self.reference_variant))
+            self._ref_cm = colocated_server(self.log_dir, cfg)
+            self.reference = self._ref_cm.__enter__()
+            self.reference_version = verify_variant({"reference": self.reference.url},
+                                                    self.reference_variant)["reference"]
+        return self.reference.url
+
+    def stop_reference(self) -> None:
+        if self._ref_cm is not None:
+            cm, self._ref_cm, self.reference = self._ref_cm, None, None
+            cm.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def stack(self, variant: str, backend: str, page_size: int, kind: str):
+        """Start one PD stack of ``kind`` for ``variant``; yield its ``PDTarget``; stop it."""
+        k = STACK_KINDS[kind]
+
+        def cfg(role: str, pool: int) -> ServerConfig:
+            return ServerConfig(role=role, model_path=self.model, backend=backend,
+                                max_total_tokens=pool, page_size=page_size,
+                                context_length=pool, allow_auto_truncate=k.auto_truncate,
+                                env=self.env(variant))
+
+        with pd_stack(backend, self.log_dir, prefill=cfg("prefill", k.prefill_pool),
+                      decode=cfg("decode", k.decode_pool)) as st:
+            urls = {"prefill": st.prefill.url, "decode": st.decode.url}
+            versions = verify_variant(urls, variant)
+            assert st.prefill.bootstrap_port is not None and st.router is not None
+            yield PDTarget(variant, backend, page_size, kind, st.prefill.url, st.decode.url,
+                           st.router.url, "127.0.0.1", st.prefill.bootstrap_port, versions,
+                           CanaryBook(self.vocab), st)
+
+
+def deployment_target(prefill: str, decode: str, router: str | None, *,
+                      bootstrap_host: str | None = None, label: str | None = None,
+                      vocab: int | None = None) -> PDTarget:
+    """A target for an existing deployment (nothing started). Backend, page size, bootstrap
+    port and the variant label come from the prefill's ``/server_info``."""
+    prefill, decode = prefill.rstrip("/"), decode.rstrip("/")
+    pi, di = server_info(prefill), server_info(decode)
+    port = pi.get("disaggregation_bootstrap_port")
+    if not isinstance(port, int):
+        raise ValueError(f"{prefill}/server_info has no disaggregation_bootstrap_port "
+                         f"(is it a prefill server?): mode {pi.get('disaggregation_mode')}")
+    host = bootstrap_host or urlparse(prefill).hostname or "127.0.0.1"
+    versions = {"prefill": str(pi.get("version")), "decode": str(di.get("version"))}
+    variant = label or variant_of(versions["decode"])
+    if vocab is None:
+        vocab = _vocab_of(di)
+    return PDTarget(variant, str(pi.get("disaggregation_transfer_backend")),
+                    int(pi.get("page_size") or 1), "deployed", prefill, decode,
+                    router.rstrip("/") if router else None, host, port, versions,
+                    CanaryBook(vocab))
+
+
+def _vocab_of(info: dict[str, Any]) -> int:
+    """The served model's vocabulary size: from its config.json when the model path is readable
+    here (same machine or shared storage), else 32000 (token ids below any common vocabulary)."""
+    import json
+
+    for key in ("model_path", "tokenizer_path"):
+        cfg = Path(str(info.get(key) or "")) / "config.json"
+        try:
+            return int(json.loads(cfg.read_text())["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return 32000
+
+
+def wait_until(pred, timeout: float, poll: float = 0.5) -> bool:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():
+            return True
+        time.sleep(poll)
+    return pred()
+
+
+__all__ = ["STACK_KINDS", "Harness", "PDTarget", "SideLimits", "StackKind", "StartupError",
+           "VariantMismatch", "deployment_target", "side_limits", "variant_of", "verify_variant"]
