@@ -193,7 +193,8 @@ def enforce_kv_capacity(server_args: Any, kv_capacity: int, context_len: int) ->
     * otherwise (co-located): unchanged; upstream's warning follows.
 
     A decode server whose pool is not larger than ``--num-reserved-decode-tokens`` also refuses
-    to start (its pre-allocation can never fit a request; see ``sglang.pdsafe.limits.pd_input_limit``).
+    to start (its pre-allocation can never fit a request; see
+    ``sglang.pdsafe.limits.pd_input_limit``).
 
     Pure apart from the log and the exception: the caller keeps the returned value (the tp
     worker stores it as its ``model_config.context_len``) and passes it on explicitly

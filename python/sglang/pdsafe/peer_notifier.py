@@ -550,7 +550,9 @@ def on_receiver_aborted(receiver: Any) -> None:
     host = host.strip("[]")
     try:
         port_i = int(port)
-    except ValueError:
+    except ValueError as e:  # counted: the prefill is never told, it waits for its timeout
+        notify_failed(f"parse the bootstrap address {receiver.bootstrap_addr!r} of room "
+                      f"{receiver.bootstrap_room}", e)
         return
     if notify_prefill(host, port_i, receiver.bootstrap_room,
                       "the decode server aborted it before its bootstrap",

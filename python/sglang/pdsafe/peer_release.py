@@ -115,9 +115,14 @@ def _wire(origin: str, reason: str) -> bytes:
 
 
 def _ttl_s() -> float:
+    raw = os.environ.get(ENV_TTL)
+    if raw is None:
+        return DEFAULT_TTL_S
     try:
-        return max(1.0, float(os.environ.get(ENV_TTL, DEFAULT_TTL_S)))
+        return max(1.0, float(raw))
     except ValueError:
+        logger.warning("pdsafe peer release: %s=%r is not a number of seconds; using the "
+                       "default %.0f s", ENV_TTL, raw, DEFAULT_TTL_S)
         return DEFAULT_TTL_S
 
 
