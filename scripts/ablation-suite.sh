@@ -36,6 +36,7 @@ ROWS=(
   "liveness-limits|0011|test/pd/test_liveness_limits.py -k every_length and mooncake"
   "pair-agreement|0016|test/pd/test_liveness_limits.py -k mismatched_pair"
   "startup-report|0017|test/pd/test_pd_content.py -k startup_report"
+  "peer-refusal-status|0018|test/pd/test_peer_release.py -k refusal_direct"
   "explicit-limits-unit|0007|test/unit/test_admission_explicit_limits.py"
   "peer-release-api-unit|0013|test/unit/test_hook_api.py test/unit/test_peer_release_backends.py"
   "pair-agreement-unit|0016|test/unit/test_pair_agreement.py"

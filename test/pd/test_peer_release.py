@@ -399,7 +399,7 @@ def check_direct_refusals(st: PDStack, refusing: str, over_capacity: int, model_
                           seed: int) -> None:
     """The same prompt sent directly to both sides, one room, which only ``refusing`` refuses
     (over its capacity, or at its scheduler door for a logprob_start_len past the prompt).
-    The refusing client gets a 400; the peer's client gets an explicit error that carries the
+    The refusing client gets a 400; the peer's client gets a 400 too, with the
     refusing side's reason, at once instead of after a 300 s hang; the peer frees its
     reservation within the bound."""
     refuser, peer = _sides(st, refusing)
@@ -423,7 +423,9 @@ def check_direct_refusals(st: PDStack, refusing: str, over_capacity: int, model_
         rmsg = assert_explicit_error(answers[refusing], f"{what} ({refusing} client)",
                                      statuses=(400,))
         role = peer.config.role
-        pmsg = assert_explicit_error(answers[role], f"{what} ({role} client)")
+        # The peer's client gets the refusing side's 400 too (patch 0018), not a 500 for a
+        # "failed transfer": the request, not the server, was at fault.
+        pmsg = assert_explicit_error(answers[role], f"{what} ({role} client)", statuses=(400,))
         # The peer's client learns the cause, on every backend (NIXL's own ABORT handler used
         # to overwrite it with a generic "Aborted by decode-side abort notification.").
         assert refusing in pmsg and rmsg[:60] in pmsg, (

@@ -66,7 +66,10 @@ from sglang.pdsafe.peer_release_wire import (
     ORIGIN_PEER,
     count_notified,
     enabled,
+    error_refusal_status,
     notify_failed,
+    request_refusal_status,
+    status_note,
     wire_frame,
 )
 
@@ -533,9 +536,15 @@ def notify_prefill(bootstrap_host: str | None, bootstrap_port: int | None,
 def decode_rejected(req: Any, reason: str | None = None) -> None:
     """A decode door refused ``req`` (no receiver exists): tell its prefill to drop the room."""
     notify_prefill(getattr(req, "bootstrap_host", None), getattr(req, "bootstrap_port", None),
-                   getattr(req, "bootstrap_room", None),
-                   f"the decode server refused it: {reason or finish_message(req)}",
+                   getattr(req, "bootstrap_room", None), decode_refusal_reason(req, reason),
                    dp_rank=getattr(req, "disagg_prefill_dp_rank", None))
+
+
+def decode_refusal_reason(req: Any, reason: str | None = None) -> str:
+    """The reason a decode refusal of ``req`` carries to the prefill, with the 4xx status
+    decode's own client got (``status_note``), which the prefill's client then gets too."""
+    return (f"the decode server refused it{status_note(request_refusal_status(req))}: "
+            f"{reason or finish_message(req)}")
 
 
 @guarded("peer_notifier.on_receiver_aborted", default=None, **_guard)
@@ -578,14 +587,15 @@ def on_http_undelivered(obj: Any, error: BaseException | None) -> None:
 
     mode = get_disagg().disaggregation_mode
     reason = f"{type(error).__name__}: {error}" if error is not None else "refused"
+    note = status_note(error_refusal_status(error))
     if mode == "prefill":
         own_host = get_serving().host or "127.0.0.1"
         if own_host in ("0.0.0.0", "::", ""):
             own_host = "127.0.0.1"
         notify_prefill(own_host, get_disagg().disaggregation_bootstrap_port, room,
-                       f"the prefill server's HTTP layer refused it: {reason}",
+                       f"the prefill server's HTTP layer refused it{note}: {reason}",
                        dp_rank=getattr(obj, "routed_dp_rank", None), origin=ORIGIN_HTTP)
     elif mode == "decode":
         notify_prefill(host, getattr(obj, "bootstrap_port", None), room,
-                       f"the decode server's HTTP layer refused it: {reason}",
+                       f"the decode server's HTTP layer refused it{note}: {reason}",
                        dp_rank=getattr(obj, "disagg_prefill_dp_rank", None))

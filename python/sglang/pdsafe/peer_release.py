@@ -68,6 +68,7 @@ from sglang.pdsafe.peer_release_wire import (  # noqa: F401 - re-exported for th
     ABORT_TAG,
     ENV_ENABLE,
     FAILED,
+    FAILURE_PREFIX,
     ORIGIN_HTTP,
     ORIGIN_LOCAL,
     ORIGIN_PEER,
@@ -76,6 +77,9 @@ from sglang.pdsafe.peer_release_wire import (  # noqa: F401 - re-exported for th
     enabled,
     notify_failed,
     parse_abort,
+    peer_refusal_status,
+    request_refusal_status,
+    status_note,
     wire_frame,
 )
 
@@ -137,6 +141,7 @@ class _Room:
     expires: float
     answered: set[tuple[str, int]] = field(default_factory=set)  # decode endpoints told
     counted: bool = False
+    status: int | None = None  # the 4xx this prefill answered its own client with, if any
 
 
 class _Registry:
@@ -159,16 +164,17 @@ class _Registry:
                                "dropped room %s before its decode asked for it", MAX_ROOMS, room)
 
     def record(self, room: int, reason: str, origin: str,
-               t0_wall: float | None = None) -> _Room:
+               t0_wall: float | None = None, status: int | None = None) -> _Room:
         now = time.monotonic()
         with self.lock:
             rec = self.rooms.get(room)
             if rec is None or rec.expires <= now:
-                rec = _Room(reason, origin, now, t0_wall, now + _ttl_s())
+                rec = _Room(reason, origin, now, t0_wall, now + _ttl_s(), status=status)
                 self.rooms[room] = rec
             elif origin != ORIGIN_PEER and rec.origin == ORIGIN_PEER:
                 # A local verdict is the one decode should hear (a peer ABORT carries none).
                 rec.reason, rec.origin, rec.t0, rec.t0_wall = reason, origin, now, t0_wall
+                rec.status = status
             self._expire(now)
             return rec
 
@@ -225,14 +231,18 @@ def _kvpoll() -> Any:
 
 
 def _failure_message(room: int, rec: _Room) -> str:
-    """The error both clients read: which side gave up the room, and its own reason."""
+    """The error both clients read: which side gave up the room, and its own reason.
+
+    Starts with ``FAILURE_PREFIX``; a refusal that was a client error carries its status as
+    ``(HTTP 4xx)`` (``status_note``), which the peer answers its own client with.
+    """
     who = {
         ORIGIN_LOCAL: "the prefill server refused or aborted it",
         ORIGIN_HTTP: "the prefill server's HTTP layer refused it",
         ORIGIN_PEER: "it was aborted on the decode side",
     }[rec.origin]
-    return (f"pdsafe: the PD request (bootstrap room {room}) was given up before its KV "
-            f"transfer completed: {who}: {rec.reason}")
+    return (f"{FAILURE_PREFIX} (bootstrap room {room}) was given up before its KV "
+            f"transfer completed: {who}{status_note(rec.status)}: {rec.reason}")
 
 
 def _answer_decode(kv_mgr: Any, room: int, rec: _Room) -> bool:
@@ -267,7 +277,7 @@ def _answer_decode(kv_mgr: Any, room: int, rec: _Room) -> bool:
 
 @guarded("peer_release.prefill_rejected", default=None, **_guard)
 def prefill_rejected(kv_mgr: Any, room: int | None, reason: str, origin: str = ORIGIN_LOCAL,
-                     t0_wall: float | None = None) -> None:
+                     t0_wall: float | None = None, status: int | None = None) -> None:
     """This prefill will not serve ``room``: answer decode's metadata with Failed (now or later).
 
     Called at the prefill doors (request refused before a sender exists), when a sender is
@@ -277,7 +287,7 @@ def prefill_rejected(kv_mgr: Any, room: int | None, reason: str, origin: str = O
         return
     if kv_mgr.pdsafe_room_status(int(room)) == _kvpoll().Success:
         return  # the KV was already sent: nothing is reserved for it any more
-    rec = _registry(kv_mgr).record(int(room), reason, origin, t0_wall)
+    rec = _registry(kv_mgr).record(int(room), reason, origin, t0_wall, status)
     _answer_decode(kv_mgr, int(room), rec)
 
 
@@ -378,4 +388,4 @@ def prefill_door_rejected(bootstrap_queue: Any, req: Any, reason: str | None = N
     if is_fake_bootstrap(getattr(req, "bootstrap_host", None)):
         return
     prefill_rejected(bootstrap_queue.kv_manager, getattr(req, "bootstrap_room", None),
-                     reason or finish_message(req))
+                     reason or finish_message(req), status=request_refusal_status(req))

@@ -14,6 +14,13 @@ raises on malformed input (it returns None). Every notice that could not be deli
 counted in ``peer_release_notify_failed_total`` (:func:`notify_failed`), every delivered one
 once in ``peer_notified_release_total`` (:func:`count_notified`).
 
+The refusing side's HTTP status travels inside the reason text, as ``(HTTP 4xx)`` right after
+the refusing side is named ("the decode server refused it (HTTP 400): ..."): the peer's
+scheduler reads it back with :func:`peer_refusal_status` and answers its own client with the
+same 4xx instead of upstream's 500 for a failed transfer, so a client (or the router, which
+answers with the prefill's error first) sees a refusal of its request as a client error on
+both sides. Only 4xx statuses travel; anything else stays the peer's own 500.
+
 Off switch (default on): ``SGLANG_PDSAFE_PEER_RELEASE=0`` (logged as a warning at startup).
 """
 
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -132,3 +140,61 @@ def parse_abort(msg: list[bytes]) -> AbortNotice | None:
         origin, t0_wall, reason = parse_wire_frame(msg[2])
         return AbortNotice(room, origin, t0_wall, reason)
     return AbortNotice(room, ORIGIN_PEER, None, DECODE_ABORT_REASON)
+
+
+#: The status note in a refusal reason; only client errors (4xx) travel.
+_STATUS_NOTE = re.compile(r"\(HTTP (4\d\d)\)")
+#: How every failure message peer release hands a client starts (``peer_release``).
+FAILURE_PREFIX = "pdsafe: the PD request"
+
+
+def client_error_status(status: Any) -> int | None:
+    """``status`` as an int when it is a client error (400-499), else None."""
+    try:
+        code = int(status)
+    except (TypeError, ValueError):
+        return None
+    return code if 400 <= code < 500 else None
+
+
+def status_note(status: Any) -> str:
+    """`` (HTTP 4xx)`` for a client-error status, else the empty string."""
+    code = client_error_status(status)
+    return f" (HTTP {code})" if code is not None else ""
+
+
+def request_refusal_status(req: Any) -> int | None:
+    """The 4xx status a refused request's own client gets (its ``FINISH_ABORT``), or None."""
+    for reason in (getattr(req, "finished_reason", None), getattr(req, "to_finish", None)):
+        code = client_error_status(getattr(reason, "status_code", None))
+        if code is not None:
+            return code
+    return None
+
+
+def error_refusal_status(error: BaseException | None) -> int | None:
+    """The 4xx status the HTTP layer answers ``error`` with: its ``status_code``, or 400 for
+    a ValueError (upstream's HTTP handlers answer a ValueError with 400); else None."""
+    if error is None:
+        return None
+    code = client_error_status(getattr(error, "status_code", None))
+    if code is None and isinstance(error, ValueError):
+        return 400
+    return code
+
+
+def peer_refusal_status(error_message: Any, default: int) -> int:
+    """The status a PD side answers its client with when its KV transfer or bootstrap failed.
+
+    Invariant: returns ``default`` (upstream's 500) unless ``error_message`` carries a peer
+    release failure (``FAILURE_PREFIX``) whose reason names a 4xx refusal; then that 4xx, the
+    status the refusing side gave its own client. A failure is never turned into a success,
+    and only a message our own peer-release path wrote can change the status.
+    """
+    if not isinstance(error_message, str):
+        return default
+    at = error_message.find(FAILURE_PREFIX)
+    if at < 0:
+        return default
+    m = _STATUS_NOTE.search(error_message, at)
+    return int(m.group(1)) if m else default

@@ -133,6 +133,7 @@ HOOK_MODULES: tuple[str, ...] = (
     "sglang.pdsafe.coverage",
     "sglang.pdsafe.commit_gate",
     "sglang.pdsafe.peer_release",
+    "sglang.pdsafe.peer_release_wire",
     "sglang.pdsafe.peer_notifier",
     "sglang.pdsafe.limits",
     "sglang.pdsafe.pair_agreement",
