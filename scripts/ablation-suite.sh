@@ -40,6 +40,8 @@ ROWS=(
   "explicit-limits-unit|0007|test/unit/test_admission_explicit_limits.py"
   "peer-release-api-unit|0013|test/unit/test_hook_api.py test/unit/test_peer_release_backends.py"
   "pair-agreement-unit|0016|test/unit/test_pair_agreement.py"
+  "room-guard|0019|test/pd/test_room_guard.py -k mooncake"
+  "room-guard-unit|0019|test/unit/test_room_guard.py"
 )
 
 want=("$@")

@@ -56,6 +56,18 @@ COUNTERS: dict[str, str] = {
     "pair_agreement_failed_total":
         "Pair-agreement hooks that failed (publishing, comparing or refusing raised); "
         "upstream's pairing behaviour applied.",
+    # client-chosen bootstrap rooms (issue #9, item 1)
+    "room_duplicate_refused_total":
+        "PD requests refused (HTTP 409) at a scheduler door because their bootstrap_room is "
+        "live on this server (another request in flight holds it); nothing was reserved and "
+        "the peer was not told (that would fail the live request).",
+    "room_parallel_sampling_refused_total":
+        "PD requests with n>1 (parallel sampling) refused (HTTP 400) at the HTTP layer: every "
+        "sample would share the request's bootstrap room.",
+    "room_guard_failed_total":
+        "Room-guard hooks that failed (door check, claim or release raised). A failed door "
+        "check refuses the request (503, fail closed); a failed claim or release leaves the "
+        "room unguarded or live until its next release.",
 }
 HISTOGRAMS: dict[str, str] = {
     "peer_release_latency_seconds":

@@ -137,6 +137,7 @@ HOOK_MODULES: tuple[str, ...] = (
     "sglang.pdsafe.peer_notifier",
     "sglang.pdsafe.limits",
     "sglang.pdsafe.pair_agreement",
+    "sglang.pdsafe.room_guard",
 )
 
 

@@ -1,0 +1,325 @@
+"""Client-chosen ``bootstrap_room`` values made harmless: one live request per room per server.
+
+Upstream keys all of a PD server's per-transfer state by the bootstrap room alone: the KV
+manager's ``request_status``, ``transfer_infos``, ``failure_records``, the decode's
+``prefill_response_tracker``, the aux/metadata rows, the ABORT/KV_STATUS messages. The room is
+client-controlled (``bootstrap_room`` of ``/generate``, the router only suggests one), and
+upstream never checks that a room is free. Two concurrent requests with the same room share
+one status entry: the second sender or receiver reads the first one's ``Transferring`` or
+``Success`` where it expects ``Bootstrapping``, and the scheduler raises out of its event loop
+(decode ``DecodePreallocQueue._update_handshake_waiters``: ``ValueError: Unexpected poll case:
+4``; prefill ``pop_bootstrapped``: ``Unexpected poll state``), taking the server down for every
+tenant (sgl-project/sglang#40125). Parallel sampling (``n>1``) sends its prefix-cache request
+and all ``n`` samples with the request's one room (#26486, #40297): the same collision, by
+construction.
+
+This module closes both:
+
+* **The scheduler doors** (``PrefillBootstrapQueue.add``, ``DecodePreallocQueue.add``) refuse a
+  request whose room is live on this server with HTTP 409 (``CONFLICT_STATUS``), counted in
+  ``sglang:pdsafe_room_duplicate_refused_total``, before anything touches the KV manager's
+  per-room state (no sender or receiver is created, nothing is reserved). The peer is **not**
+  told: a peer-release ABORT carries only the room, so it would fail the live request that
+  owns it; the peer sees the same duplicate and refuses it itself. If the two legs kept
+  different requests of one room (prefill kept A, decode kept B), decode's commit gate refuses
+  the transfer (the coverage attestation's token digest binds prefill's tokens, see
+  :mod:`sglang.pdsafe.coverage`): an explicit error, never another request's KV.
+* **The HTTP layer** of a PD server refuses ``n>1`` (parallel sampling) with HTTP 400
+  (:class:`ParallelSamplingRefusedError`), counted in
+  ``sglang:pdsafe_room_parallel_sampling_refused_total``, before the request is registered.
+
+State (one :class:`LiveRooms` per KV manager, i.e. per scheduler rank, attribute
+``_pdsafe_room_guard``), per room::
+
+    free --claim (a sender/receiver is about to be created for the room)--> live(rid)
+    live --release (that sender/receiver is cleared; a prefill sender is aborted)--> free
+    live --door(another request, same room)--> live (the newcomer is refused 409)
+
+Invariant: while a room is live on a server, no second request of that room gets a KV sender
+or receiver there (a re-entry of the same request, decode retraction or re-bootstrap, is not a
+new request and is never refused). A room is released exactly where upstream drops the KV
+manager's per-room state (``CommonKVSender.clear``, ``CommonKVReceiver`` ``_clear``) and when a
+prefill sender is aborted (upstream keeps an aborted prefill sender's state without clearing
+it; a later request of that room then fails explicitly in upstream's own path), so a room is
+never held past its request. All transitions happen on the scheduler thread, in the same order
+on every rank (the doors and the clears follow the ranks' all-reduced polls), so every rank
+reaches the same verdict; nothing is released by timeout or garbage collection.
+
+What this does not do: it is no generation. A request of room R that arrives after the live
+one was released (a replay) is admitted; telling the two transfers apart is the job of the
+per-transfer generation (issue 9, items 1-2). A refused duplicate's other leg (sent to the
+peer, which had no live request of that room) waits for its own bootstrap timeout.
+
+Off switch (default on): ``SGLANG_PDSAFE_ROOM_GUARD=0`` (logged as a warning at startup).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from sglang.pdsafe import metrics
+from sglang.pdsafe.admission import AdmissionError
+from sglang.pdsafe.hook_api import guarded
+from sglang.pdsafe.protections import PDModeUnknownError, Protection, is_pd, register
+
+logger = logging.getLogger("sglang.pdsafe.room_guard")
+
+ENV_ENABLE = "SGLANG_PDSAFE_ROOM_GUARD"
+#: A room live on this server: the request conflicts with one in flight (retry with a new room).
+CONFLICT_STATUS = HTTPStatus.CONFLICT
+REFUSED_DUPLICATE = "room_duplicate_refused_total"
+REFUSED_PARALLEL = "room_parallel_sampling_refused_total"
+FAILED = "room_guard_failed_total"
+#: Log a refusal at most this often (every one is counted).
+LOG_INTERVAL_S = 10.0
+
+_REGISTRY_ATTR = "_pdsafe_room_guard"
+_registry_create_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    """Default on; ``SGLANG_PDSAFE_ROOM_GUARD=0`` (or false/off/no) turns it off."""
+    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+register(Protection(
+    name="bootstrap-room-guard",
+    guards="a bootstrap_room live on this server is refused (409) at the PD scheduler doors "
+           "and n>1 sampling is refused (400) at the HTTP layer (shared rooms crash the "
+           "schedulers and share one transfer's state)",
+    is_active=lambda server_args: is_pd(server_args) and enabled(),
+    disabled_by=f"{ENV_ENABLE}=0",
+))
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What the door answers a refused request with."""
+
+    message: str
+    status: int
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The request that holds a room on this server."""
+
+    rid: str
+    since: float  # time.monotonic() of the claim
+
+
+class LiveRooms:
+    """The rooms with a live sender or receiver on one KV manager (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._claims: dict[int, Claim] = {}
+
+    def holder(self, room: int) -> Claim | None:
+        with self._lock:
+            return self._claims.get(room)
+
+    def claim(self, room: int, rid: str) -> Claim | None:
+        """Record ``rid`` as the room's holder. Returns the previous holder if it was another
+        request (the caller's door should have refused; the newcomer is recorded anyway, so
+        the room stays live until the last endpoint of it is cleared)."""
+        with self._lock:
+            prev = self._claims.get(room)
+            self._claims[room] = Claim(rid, time.monotonic())
+            return prev if prev is not None and prev.rid != rid else None
+
+    def release(self, room: int) -> bool:
+        with self._lock:
+            return self._claims.pop(room, None) is not None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._claims)
+
+    def rooms(self) -> set[int]:
+        with self._lock:
+            return set(self._claims)
+
+
+def live_rooms(kv_mgr: Any) -> LiveRooms:
+    """The registry of ``kv_mgr`` (created on first use, under a pdsafe-owned attribute)."""
+    reg = getattr(kv_mgr, _REGISTRY_ATTR, None)
+    if reg is None:
+        with _registry_create_lock:
+            reg = getattr(kv_mgr, _REGISTRY_ATTR, None)
+            if reg is None:
+                reg = LiveRooms()
+                setattr(kv_mgr, _REGISTRY_ATTR, reg)
+    return reg
+
+
+def _side(kv_mgr: Any) -> str:
+    mode = getattr(kv_mgr, "disaggregation_mode", None)
+    value = getattr(mode, "value", mode)
+    return value if value in ("prefill", "decode") else "PD"
+
+
+def _guarded_manager(queue: Any) -> Any | None:
+    """The queue's KV manager if it keeps per-room state (``request_status``, what two
+    requests of one room would share); None for a queue without one (upstream's unit tests
+    build bare queues) and for the fake backend's manager, which keeps none."""
+    kv_mgr = getattr(queue, "kv_manager", None)
+    return kv_mgr if isinstance(getattr(kv_mgr, "request_status", None), dict) else None
+
+
+def _room_of(req: Any) -> int | None:
+    """The room the guard covers for ``req``: None without a room or for the server's own
+    fake-transfer requests (warmup, health checks), which create no real sender/receiver."""
+    from sglang.pdsafe.peer_notifier import is_fake_bootstrap
+
+    room = getattr(req, "bootstrap_room", None)
+    if room is None or is_fake_bootstrap(getattr(req, "bootstrap_host", None)):
+        return None
+    return int(room)
+
+
+_log_lock = threading.Lock()
+_log_state = {"last": float("-inf"), "suppressed": 0}
+
+
+def _log_refusal(side: str, room: int, rid: str) -> None:
+    now = time.monotonic()
+    with _log_lock:
+        if now - _log_state["last"] < LOG_INTERVAL_S:
+            _log_state["suppressed"] += 1
+            return
+        suppressed = _log_state["suppressed"]
+        _log_state["last"], _log_state["suppressed"] = now, 0
+    logger.warning("pdsafe room guard: refused request %s on this %s server (409): its "
+                   "bootstrap_room %s is live here. (%d similar suppressed)", rid, side, room,
+                   suppressed)
+
+
+def refusal_message(room: int, side: str) -> str:
+    return (f"bootstrap_room {room} is already in use by another request in flight on this "
+            f"{side} server; two requests may not share a room (they would share one KV "
+            f"transfer). The request was refused before anything was reserved for it. Retry "
+            f"with a fresh random bootstrap_room (a random 63-bit integer per request), or "
+            f"send the request through the PD router, which assigns unique rooms.")
+
+
+# --------------------------------------------------------------------------- scheduler hooks
+
+#: What the door answers when its own check failed (counted in ``room_guard_failed_total``):
+#: fail closed. A request whose room could not be checked is refused (503, retryable) instead
+#: of risking two requests on one room, which crashes upstream's schedulers.
+GUARD_FAILED_REFUSAL = Refusal(
+    "pdsafe room guard: this server could not check that the request's bootstrap_room is free "
+    "and refused it before anything was reserved. Retry; operators: see the server log "
+    "(ERROR 'room_guard.door') and sglang:pdsafe_room_guard_failed_total.", 503)
+
+
+@guarded("room_guard.door", FAILED, default=GUARD_FAILED_REFUSAL)
+def door(queue: Any, req: Any, reentry: bool = False) -> Refusal | None:
+    """A PD queue door (``PrefillBootstrapQueue.add``, ``DecodePreallocQueue.add``): refuse
+    ``req`` (409) when its room is live on this server. ``reentry``: a request coming back
+    (decode retraction, re-bootstrap), which is never refused.
+
+    Takes the queue, not its KV manager: a queue without one (upstream's unit tests build bare
+    queues) or with the fake backend's is not guarded. The caller aborts and retires a refused
+    request itself and does not tell the peer. A request already rejected at intake keeps its
+    own verdict (message and status); it is only kept away from the peer notice, which would
+    fail the live request.
+    """
+    kv_mgr = _guarded_manager(queue)
+    if reentry or kv_mgr is None or not enabled():
+        return None
+    room = _room_of(req)
+    if room is None or live_rooms(kv_mgr).holder(room) is None:
+        return None
+    side = _side(kv_mgr)
+    metrics.inc(REFUSED_DUPLICATE)
+    _log_refusal(side, room, str(getattr(req, "rid", "?")))
+    verdict = getattr(req, "to_finish", None)
+    message = getattr(verdict, "message", None)
+    if isinstance(message, str) and message:
+        status = getattr(verdict, "status_code", None)
+        return Refusal(message, int(status) if status else int(CONFLICT_STATUS))
+    return Refusal(refusal_message(room, side), int(CONFLICT_STATUS))
+
+
+@guarded("room_guard.claim", FAILED, default=None)
+def claim(queue: Any, req: Any) -> None:
+    """A KV sender/receiver is about to be created for ``req``: its room is live from now on.
+
+    Called after every refusal of the creation path, right before the endpoint is built, so a
+    claim is always followed by an endpoint whose clear (or prefill abort) releases it.
+    """
+    kv_mgr = _guarded_manager(queue)
+    if kv_mgr is None or not enabled():
+        return
+    room = _room_of(req)
+    if room is None:
+        return
+    prev = live_rooms(kv_mgr).claim(room, str(getattr(req, "rid", "?")))
+    if prev is not None:  # only a re-bootstrap reaches here past a live holder
+        logger.warning("pdsafe room guard: request %s re-entered with bootstrap_room %s, which "
+                       "request %s holds on this %s server", getattr(req, "rid", "?"), room,
+                       prev.rid, _side(kv_mgr))
+
+
+@guarded("room_guard.released", FAILED, default=None)
+def released(endpoint: Any) -> None:
+    """A KV sender/receiver dropped its room's state (``clear``) or a prefill sender was
+    aborted: the room is free on this server."""
+    room = getattr(endpoint, "bootstrap_room", None)
+    kv_mgr = getattr(endpoint, "kv_mgr", None)
+    if room is None or kv_mgr is None:
+        return
+    reg = getattr(kv_mgr, _REGISTRY_ATTR, None)
+    if reg is not None:
+        reg.release(int(room))
+
+
+# --------------------------------------------------------------------------- HTTP layer
+
+
+class ParallelSamplingRefusedError(AdmissionError):
+    """``n>1`` sent to a PD server: every sample would share the request's bootstrap room."""
+
+    error_code = "parallel_sampling_unsupported_in_pd"
+    param = "n"
+
+    def __init__(self, n: int, side: str) -> None:
+        self.n = n
+        super().__init__(
+            f"n={n} (parallel sampling) is not supported by this PD-disaggregated {side} "
+            f"server: every sample would share the request's bootstrap room, and with it one KV "
+            f"transfer. Send n separate requests with n=1 (each gets its own room), or use a "
+            f"co-located server for parallel sampling."
+        )
+
+
+def check_http_request(tokenizer_manager: Any, obj: Any) -> None:
+    """After normalization: refuse ``n>1`` on a PD server (400, before it is registered).
+
+    Raises :class:`ParallelSamplingRefusedError`. A server whose PD mode cannot be read is
+    treated as PD (fail closed). Not wrapped in the hook guard: its one job is to raise.
+    """
+    n = getattr(obj, "parallel_sample_num", 1)
+    if not isinstance(n, int) or n <= 1 or not enabled():
+        return
+    server_args = getattr(tokenizer_manager, "server_args", None)
+    try:
+        if not is_pd(server_args):
+            return
+        side = str(getattr(getattr(server_args, "disaggregation_mode", None), "value",
+                           server_args.disaggregation_mode))
+    except (PDModeUnknownError, AttributeError):
+        side = "PD"
+    metrics.inc(REFUSED_PARALLEL)
+    raise ParallelSamplingRefusedError(n, side)
