@@ -72,7 +72,8 @@ class Attribution:
 
     ``foreign``: label of a request (or ``"alphabet K: A|B"`` when several used it) -> how many
     answer tokens belong to it; ``unattributed``: tokens of no request that ran on this stack;
-    ``own``: tokens of the request's own alphabet (expected content, possibly misplaced)."""
+    ``own``: tokens of the request's own alphabet (in a leak: its own content at the wrong
+    positions, e.g. decoded over pages that were never written or hold a shifted copy)."""
 
     foreign: dict[str, int]
     unattributed: int
@@ -87,7 +88,7 @@ class Attribution:
         if self.unattributed:
             parts.append(f"unattributed x{self.unattributed}")
         if self.own:
-            parts.append(f"own x{self.own}")
+            parts.append(f"own alphabet x{self.own}")
         return ", ".join(parts) or "no tokens"
 
 

@@ -60,9 +60,47 @@ def _parse(status: int, body: Any) -> Answer:
                   message=msg, finish_reason=(body.get("meta_info") or {}).get("finish_reason"))
 
 
+CHAT_PATH = "/v1/chat/completions"
+
+
+def chat_payload(content: str, max_new_tokens: int, *, model: str,
+                 **extra: Any) -> dict[str, Any]:
+    """A greedy, non-streaming /v1/chat/completions body with one user message; the answer's
+    token ids are asked for (``return_token_ids``) so it is judged token for token."""
+    body: dict[str, Any] = {
+        "model": model, "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True,
+        "return_token_ids": True, "stream": False,
+    }
+    body.update(extra)
+    return body
+
+
+def _parse_chat(status: int, body: Any) -> Answer:
+    """An OpenAI chat answer as an ``Answer``: ``output_ids`` are the first choice's
+    ``response_token_ids``; a 200 whose choice finished with ``abort`` is an in-band abort."""
+    if status != 200:
+        return _parse(status, body)
+    if not isinstance(body, dict) or not body.get("choices"):
+        return Answer(status=200, transport_error=f"no choices in a chat 200 body: {body!r:.200}")
+    choice = body["choices"][0]
+    fr = choice.get("finish_reason")
+    if fr == "abort":
+        msg = str((choice.get("message") or {}).get("content") or choice.get("matched_stop")
+                  or "abort")
+        return Answer(status=200, in_band_abort=True, message=msg, finish_reason=fr)
+    prompt = choice.get("prompt_token_ids")
+    return Answer(status=200, output_ids=list(choice.get("response_token_ids") or []),
+                  finish_reason=fr, prompt_ids=list(prompt) if isinstance(prompt, list) else None)
+
+
 def send(url: str, payload: dict[str, Any], *, bound_s: float, path: str = "/generate") -> Answer:
-    """POST ``payload`` to ``url + path``; at most ``bound_s`` seconds (a hang beyond)."""
+    """POST ``payload`` to ``url + path``; at most ``bound_s`` seconds (a hang beyond).
+    ``path`` ``CHAT_PATH``: an OpenAI chat request (non-streaming only)."""
     stream = bool(payload.get("stream"))
+    parse = _parse_chat if path == CHAT_PATH else _parse
+    if stream and path == CHAT_PATH:
+        raise ValueError("streaming chat requests are not supported by the benchmark client")
     t0 = time.monotonic()
     try:
         if not stream:
@@ -71,7 +109,7 @@ def send(url: str, payload: dict[str, Any], *, bound_s: float, path: str = "/gen
                 body: Any = r.json()
             except ValueError:
                 body = r.text
-            a = _parse(r.status_code, body)
+            a = parse(r.status_code, body)
             a.e2e_s = time.monotonic() - t0
             return a
         return _send_stream(url + path, payload, t0, bound_s)
@@ -136,8 +174,9 @@ def send_many(jobs: Sequence[tuple[str, dict[str, Any]]], *, bound_s: float,
 
 def direct_pd(prefill_url: str, decode_url: str, payload: dict[str, Any], *,
               bootstrap_host: str, bootstrap_port: int, room: int | None = None,
-              bound_s: float) -> tuple[Answer, Answer]:
-    """Send one request to prefill and decode directly, in parallel (what the router does).
+              bound_s: float, path: str = "/generate") -> tuple[Answer, Answer]:
+    """Send one request to prefill and decode directly, in parallel (what the router does),
+    both to ``path`` (``/generate`` or ``CHAT_PATH``).
 
     ``payload`` may already carry ``bootstrap_*`` fields (a client's own choice); otherwise
     the given host/port and ``room`` (random when None) are added."""
@@ -148,7 +187,7 @@ def direct_pd(prefill_url: str, decode_url: str, payload: dict[str, Any], *,
     out: dict[str, Answer] = {}
 
     def go(key: str, url: str) -> None:
-        out[key] = send(url, body, bound_s=bound_s)
+        out[key] = send(url, body, bound_s=bound_s, path=path)
 
     ts = [threading.Thread(target=go, args=kv) for kv in (("p", prefill_url), ("d", decode_url))]
     for t in ts:

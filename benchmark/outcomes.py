@@ -57,6 +57,7 @@ class Answer:
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     finish_reason: Any = None
+    prompt_ids: list[int] | None = None  # the prompt as the server tokenized it, when it says
 
     @property
     def ok(self) -> bool:

@@ -14,7 +14,9 @@ deployment; nothing is started, restarted or reconfigured.
 Writes DIR/report.json, DIR/report.md and PNG plots (``benchmark.report``). Exit status 1 when
 the fork (or the deployment under test) shows any leak or hang, 2 when the run itself could not
 be carried out, 0 otherwise. ``--quick`` (CI smoke test): one backend, page size 1, few requests
-per scenario, one overhead repetition; within 10 minutes on 2 CPU cores.
+per scenario, one overhead repetition; within 10 minutes on 2 CPU cores. ``--smoke`` (what
+CI runs, test/test_benchmark_smoke.py): ``--quick`` on the default stack's scenarios only
+(``scenarios.SMOKE_SCENARIOS``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,16 @@ from benchmark import report as rpt
 from benchmark.base_tree import DEFAULT_TREE, prepare_base_tree
 from benchmark.evidence import reservations_after
 from benchmark.overhead import OverheadPlan, measure
-from benchmark.scenarios import SCENARIOS, Ctx, Knobs, Reference, Scenario, applicable, select
+from benchmark.scenarios import (
+    SCENARIOS,
+    SMOKE_SCENARIOS,
+    Ctx,
+    Knobs,
+    Reference,
+    Scenario,
+    applicable,
+    select,
+)
 from benchmark.targets import Harness, PDTarget, StartupError, deployment_target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,8 +64,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help="CI smoke size: one backend, page size 1, few requests, 1 overhead rep")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CI smoke: --quick restricted to the default stack's scenarios "
+                         f"({', '.join(SMOKE_SCENARIOS)}) and the overhead bursts")
     ap.add_argument("--out", type=Path, default=None,
-                    help="output directory (default build/bench-quick or build/bench-full)")
+                    help="output directory (default build/bench-smoke, build/bench-quick or "
+                         "build/bench-full)")
     ap.add_argument("--backends", type=_csv, default=None, help="mooncake,nixl")
     ap.add_argument("--page-sizes", type=lambda s: [int(x) for x in _csv(s)], default=None)
     ap.add_argument("--variants", type=_csv, default=None, help="base,fork")
@@ -89,13 +104,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if missing:
             ap.error("deployment mode needs --target-prefill, --target-decode and "
                      f"--target-reference (missing: {missing})")
+    a.scenarios_named = bool(a.scenarios) and not a.smoke
+    if a.smoke:
+        if a.deployment:
+            ap.error("--smoke is a harness run (it starts the CPU harness)")
+        if a.scenarios:
+            ap.error("--smoke selects its own scenarios; use --quick --scenarios NAMES instead")
+        a.quick = True
+        a.scenarios = list(SMOKE_SCENARIOS)
     a.backends = a.backends or (["mooncake"] if a.quick else ["mooncake", "nixl"])
     a.page_sizes = a.page_sizes or ([1] if a.quick else [1, 16, 64])
     a.variants = a.variants or list(VARIANTS)
     bad = [v for v in a.variants if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variant(s) {bad}")
-    a.out = a.out or REPO / "build" / ("bench-quick" if a.quick else "bench-full")
+    a.out = a.out or REPO / "build" / ("bench-smoke" if a.smoke else
+                                       "bench-quick" if a.quick else "bench-full")
     return a
 
 
@@ -232,6 +256,49 @@ def _placeholder(s: Scenario, backend: str, page: int, variant: str, status: str
     return rpt.Cell(s.name, s.family, backend, page, variant, status=status, reason=reason)
 
 
+class StackPipeline:
+    """Starts the stacks of the next step while the current step runs, and stops finished
+    stacks in the background (server startup and shutdown dominate a quick run on 2 cores).
+
+    Invariant: every stack it started is stopped by ``close_all`` (also after an error), and a
+    step's stacks are started before its scenarios run and stopped after them."""
+
+    def __init__(self, harness: Harness, variants: Sequence[str]) -> None:
+        self.harness, self.variants = harness, list(variants)
+        self.ex = ThreadPoolExecutor(max_workers=4)
+        self.pending: dict[tuple[str, int, str], Future] = {}
+        self.closing: list[Future] = []
+        self.started_at: dict[tuple[str, int, str], float] = {}
+
+    def prefetch(self, step: tuple[str, int, str]) -> None:
+        if step not in self.pending:
+            self.started_at[step] = time.monotonic()
+            self.pending[step] = self.ex.submit(_open_slots, self.harness, self.variants, *step)
+
+    def get(self, step: tuple[str, int, str]) -> tuple[dict[str, Slot | str], float]:
+        """The step's slots (started now if not prefetched) and seconds spent waiting."""
+        self.prefetch(step)
+        t0 = time.monotonic()
+        got = self.pending.pop(step).result()
+        return got, time.monotonic() - t0
+
+    def release(self, slots: dict[str, Slot]) -> None:
+        for sl in slots.values():
+            self.closing.append(self.ex.submit(sl.close))
+
+    def close_all(self) -> None:
+        for fut in self.pending.values():
+            with contextlib.suppress(BaseException):
+                for got in fut.result().values():
+                    if isinstance(got, Slot):
+                        got.close()
+        self.pending.clear()
+        for fut in self.closing:
+            with contextlib.suppress(BaseException):
+                fut.result()
+        self.ex.shutdown(wait=True)
+
+
 def run_harness(a: argparse.Namespace, knobs: Knobs, plan: OverheadPlan,
                 scenarios: list[Scenario]) -> tuple[dict[str, Any], list[rpt.Cell], dict | None]:
     timing: dict[str, Any] = {}
@@ -244,7 +311,8 @@ def run_harness(a: argparse.Namespace, knobs: Knobs, plan: OverheadPlan,
     log_dir.mkdir(parents=True, exist_ok=True)
     ref_variant = a.reference_variant or ("base" if "base" in a.variants else "fork")
     harness = Harness(log_dir, base=base, reference_variant=ref_variant)
-    runnable = [s for s in scenarios if applicable(s, deployment=False)[0]]
+    quick_cut = a.quick and not a.scenarios_named  # --quick leaves full-only scenarios out
+    runnable = [s for s in scenarios if applicable(s, deployment=False, quick=quick_cut)[0]]
     kinds: list[str] = []
     for s in runnable:
         if s.stack not in kinds:
@@ -252,6 +320,7 @@ def run_harness(a: argparse.Namespace, knobs: Knobs, plan: OverheadPlan,
     if "default" in kinds:
         kinds.remove("default")
         kinds.insert(0, "default")
+    steps = [(b, p, k) for b in a.backends for p in a.page_sizes for k in kinds]
     do_overhead = (not a.no_overhead and set(a.variants) == set(VARIANTS))
     n_bursts = 0
     if do_overhead:
@@ -260,74 +329,78 @@ def run_harness(a: argparse.Namespace, knobs: Knobs, plan: OverheadPlan,
     total = len(runnable) * len(a.variants) * len(a.backends) * len(a.page_sizes) + n_bursts
     progress = Progress(total, not a.no_progress)
     cells: list[rpt.Cell] = []
+    for backend in a.backends:
+        for page in a.page_sizes:
+            for s in scenarios:
+                ok, why = applicable(s, deployment=False, quick=quick_cut)
+                if not ok:
+                    for v in a.variants:
+                        cells.append(_placeholder(
+                            s, backend, page, v,
+                            "not_implemented" if not s.implemented else "not_applicable", why))
     overhead: dict[str, Any] | None = None
     versions: dict[str, str] = {}
-    stack_starts: list[dict[str, Any]] = []
+    stack_waits: list[dict[str, Any]] = []
+    pipe = StackPipeline(harness, a.variants)
     try:
-        progress.doing(f"reference server ({ref_variant})")
+        progress.doing(f"reference server ({ref_variant}) + first stacks")
+        if steps:
+            pipe.prefetch(steps[0])  # starts while the reference starts
         t1 = time.monotonic()
         ref = Reference(harness.start_reference(), knobs.bound_s)
         timing["reference_start_s"] = round(time.monotonic() - t1, 1)
-        for backend in a.backends:
-            for page in a.page_sizes:
-                for s in scenarios:
-                    ok, why = applicable(s, deployment=False)
-                    if not ok:
-                        for v in a.variants:
-                            cells.append(_placeholder(
-                                s, backend, page, v,
-                                "not_implemented" if not s.implemented else "not_applicable",
-                                why))
-                for kind in kinds:
-                    group = [s for s in runnable if s.stack == kind]
-                    slots: dict[str, Slot] = {}
-                    try:
-                        progress.doing(f"start {'+'.join(a.variants)} {backend} p{page} {kind}")
-                        t2 = time.monotonic()
-                        opened = _open_slots(harness, a.variants, backend, page, kind)
-                        stack_starts.append({"variants": a.variants, "backend": backend,
-                                             "page": page, "kind": kind,
-                                             "seconds": round(time.monotonic() - t2, 1)})
-                        for v, got in opened.items():
-                            if isinstance(got, Slot):
-                                assert got.target is not None
-                                versions[v] = got.target.versions["decode"]
-                                slots[v] = got
-                                continue
-                            for s in group:
-                                cells.append(_placeholder(s, backend, page, v,
-                                                          "refused_to_start", got[-2000:]))
-                                progress.step(f"{s.name} {v} (no stack)")
-                        order = list(group)
-                        oh_here = (kind == "default" and do_overhead and page == a.page_sizes[0]
-                                   and set(slots) == set(VARIANTS))
-                        first = [s for s in order if s.name == "steady-state"]
-                        rest = [s for s in order if s.name != "steady-state"]
-                        for s in first:
-                            for slot in slots.values():
-                                cells.append(_run_in_slot(s, slot, ref, knobs, progress))
-                        if oh_here:
-                            progress.doing(f"overhead {backend}")
-                            t3 = time.monotonic()
-                            oh = measure({v: sl.target for v, sl in slots.items()
-                                          if sl.target is not None}, ref, knobs, plan,
-                                         on_burst=lambda w: progress.step(f"overhead {w}"))
-                            oh["backend"], oh["page_size"] = backend, page
-                            if overhead is None:
-                                overhead = oh
-                            else:  # further backends: kept whole, counted for content
-                                overhead.setdefault("additional", []).append(oh)
-                            timing[f"overhead_{backend}_s"] = round(time.monotonic() - t3, 1)
-                        for s in rest:
-                            for slot in slots.values():
-                                cells.append(_run_in_slot(s, slot, ref, knobs, progress))
-                    finally:
-                        for slot in slots.values():
-                            slot.close()
+        for i, (backend, page, kind) in enumerate(steps):
+            nxt = steps[i + 1] if i + 1 < len(steps) else None
+            group = [s for s in runnable if s.stack == kind]
+            progress.doing(f"start {'+'.join(a.variants)} {backend} p{page} {kind}")
+            opened, waited = pipe.get((backend, page, kind))
+            stack_waits.append({"backend": backend, "page": page, "kind": kind,
+                                "waited_s": round(waited, 1)})
+            slots: dict[str, Slot] = {}
+            for v, got in opened.items():
+                if isinstance(got, Slot):
+                    assert got.target is not None
+                    versions[v] = got.target.versions["decode"]
+                    slots[v] = got
+                    continue
+                for s in group:
+                    cells.append(_placeholder(s, backend, page, v, "refused_to_start",
+                                              got[-2000:]))
+                    progress.step(f"{s.name} {v} (no stack)")
+            try:
+                oh_here = (kind == "default" and do_overhead and page == a.page_sizes[0]
+                           and set(slots) == set(VARIANTS))
+                first = [s for s in group if s.name == "steady-state"]
+                rest = [s for s in group if s.name != "steady-state"]
+                if not oh_here and nxt:
+                    pipe.prefetch(nxt)
+                for s in first:
+                    for slot in slots.values():
+                        cells.append(_run_in_slot(s, slot, ref, knobs, progress))
+                if oh_here:
+                    progress.doing(f"overhead {backend}")
+                    t3 = time.monotonic()
+                    oh = measure({v: sl.target for v, sl in slots.items()
+                                  if sl.target is not None}, ref, knobs, plan,
+                                 on_burst=lambda w: progress.step(f"overhead {w}"))
+                    oh["backend"], oh["page_size"] = backend, page
+                    if overhead is None:
+                        overhead = oh
+                    else:  # further backends: kept whole, counted for content
+                        overhead.setdefault("additional", []).append(oh)
+                    timing[f"overhead_{backend}_s"] = round(time.monotonic() - t3, 1)
+                    if nxt:  # the next stacks start only once the clocks stopped
+                        pipe.prefetch(nxt)
+                for s in rest:
+                    for slot in slots.values():
+                        cells.append(_run_in_slot(s, slot, ref, knobs, progress))
+            finally:
+                pipe.release(slots)
     finally:
         progress.close()
+        pipe.close_all()
         harness.stop_reference()
-    timing["stack_starts"] = stack_starts
+    timing["stack_waits"] = stack_waits
     if overhead is None:
         overhead = {"status": "not_measured", "reason": (
             "--no-overhead" if a.no_overhead else
@@ -413,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.reps:
         plan.reps = a.reps
     try:
-        scenarios = select(a.scenarios, deployment=a.deployment)
+        scenarios = select(a.scenarios)
     except KeyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -433,6 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "mode": "deployment" if a.deployment else "harness",
         "quick": a.quick,
+        "smoke": a.smoke,
         "config": {"backends": a.backends, "page_sizes": a.page_sizes, "variants": a.variants,
                    "scenarios": [s.name for s in scenarios], "knobs": vars(knobs),
                    "overhead_plan": vars(plan) | {"sweep": list(plan.sweep)},

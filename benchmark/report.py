@@ -306,6 +306,7 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return []
     made: list[str] = []
@@ -330,6 +331,8 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
                     grid[i, j] = (c["leaks"] or 0) + (c["hangs"] or 0)
                     text[i][j] = (f"L{c['leaks']} H{c['hangs']}" if grid[i, j]
                                   else f"ok {c['identical']}/{c['sent']}")
+                    if c.get("servers_down"):
+                        text[i][j] += f"\n{'+'.join(c['servers_down'])} died"
         fig, ax = plt.subplots(figsize=(3.2 + 1.4 * len(cols), 1.2 + 0.38 * len(scen)))
         cmap = matplotlib.colormaps["Reds"].with_extremes(bad="#dddddd")
         vmax = max(1.0, float(np.nanmax(grid)) if np.isfinite(grid).any() else 1.0)
@@ -384,6 +387,7 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
                     ax.plot([x * 1000 for x in xs], [(i + 1) / len(xs) for i in range(len(xs))],
                             style, label=f"{v} (n={len(xs)})")
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_xlabel(f"{title} (ms)")
             ax.set_ylabel("CDF")
             ax.set_title(f"{title}: protections on (fork) vs off (base)")

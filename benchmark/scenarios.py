@@ -37,7 +37,7 @@ from benchmark.outcomes import (
     apply_evidence,
     classify,
 )
-from benchmark.targets import PDTarget
+from benchmark.targets import CHAT_SUFFIX, CTX_DIV_PREFILL_CONTEXT, PDTarget
 
 #: The fake-transfer bootstrap host of upstream (``disaggregation/utils.py``
 #: ``FAKE_BOOTSTRAP_HOST``); hard-coded so the benchmark does not import the server package.
@@ -55,7 +55,7 @@ class Knobs:
     attacks: int = 4
     concurrency: int = 8
     max_new: int = 16
-    bound_s: float = 120.0
+    bound_s: float = 60.0
     settle_s: float = 20.0
     evidence_wait_s: float = 5.0
     divergence_rounds: int = 3
@@ -163,6 +163,33 @@ class Ctx:
         job.call = call
         return job
 
+    def direct_chat(self, label: str, content: list[int], rendered: list[int],
+                    max_new: int | None = None, *, canary: int | None = None) -> Job:
+        """A /v1/chat/completions request (one user message whose text spells ``content``
+        with the word-level vocabulary) to both legs directly; judged on decode's answer
+        against the reference answer for ``rendered``: the token ids decode's chat template
+        makes of the message (what the client asked the deployment to answer)."""
+        mn = max_new or self.knobs.max_new
+        words = self.target.words()
+        body = client.chat_payload(" ".join(words[t] for t in content), mn,
+                                   model=self.target.served_model())
+        job = Job(label, "pd-direct-chat", list(rendered), mn, lambda: Answer(status=None),
+                  canary)
+
+        def call() -> Answer:
+            p, d = client.direct_pd(self.target.prefill_url, self.target.decode_url, body,
+                                    bootstrap_host=self.target.bootstrap_host,
+                                    bootstrap_port=self.target.bootstrap_port,
+                                    bound_s=self.knobs.bound_s, path=client.CHAT_PATH)
+            job.side["prefill"] = (p.status, p.message[:200], p.timed_out)
+            if d.prompt_ids is not None and d.prompt_ids != job.prompt:
+                job.side["note"] = (f"[decode tokenized the chat as {d.prompt_ids[-8:]} (tail), "
+                                    f"expected {job.prompt[-8:]}: judged against the expected]")
+            return d
+
+        job.call = call
+        return job
+
     def decode_only(self, label: str, prompt: list[int], max_new: int | None = None, *,
                     canary: int | None = None, **extra: Any) -> Job:
         mn = max_new or self.knobs.max_new
@@ -217,6 +244,15 @@ class Ctx:
         if job.side.get("prefill"):
             ps, pm, pto = job.side["prefill"]
             rec.detail = (rec.detail + f" [prefill leg: {'hang' if pto else ps} {pm}]").strip()
+        if job.side.get("note"):
+            rec.detail = (rec.detail + " " + job.side["note"]).strip()
+        if outcome is Outcome.EXPLICIT_ERROR and "differ:" in ans.message:
+            # A pair refusal names the differing settings past the detail's length: keep the
+            # reason once per cell, so the report says which setting the fork refused.
+            why = ans.message[ans.message.index("differ:"):][:240].split(". Fix")[0]
+            note = f"pair refusal: {why}"
+            if note not in self.notes:
+                self.notes.append(note)
         if outcome is Outcome.LEAK:
             att = self.target.book.attribute(ans.output_ids, job.canary)
             rec.leaked_from = att.sources
@@ -240,6 +276,7 @@ class Scenario:
     known_unsafe_upstream: bool = False
     reason: str = ""
     doc_override: str = ""
+    in_quick: bool = True
 
     @property
     def implemented(self) -> bool:
@@ -438,14 +475,17 @@ def room_replay(ctx: Ctx) -> None:
 
 
 def divergence_auto_truncate(ctx: Ctx) -> None:
-    """The incident: prefill pool 320 < decode pool 1024, ``--allow-auto-truncate`` on both,
-    page size as configured; a 400-token prompt A after a 300-token victim B.
+    """The incident: prefill pool 320 < decode pool 1024, each leg's ``--context-length`` its
+    own pool, ``--allow-auto-truncate`` on both; a 400-token prompt A after a 300-token victim B,
+    sent to both legs directly (what the router does).
 
     Prefill truncates A to its own limit and writes only those positions; decode reserved all
     400 and, in stock 0.5.23, commits the transfer checking only the room: positions prefill did
     not write still hold B's KV, and A's answer is HTTP 200 with B's canary tokens (the leak
-    names B). Expected: an explicit 5xx (coverage mismatch) or A's own reference answer. Each
-    round streams A once and not once. Probes UPSTREAM-GAPS 1, "no coverage handshake".
+    names B). Expected: an explicit error (the fork refuses to pair legs whose context lengths
+    differ, and its coverage attestation refuses the commit) or A's own reference answer. Each
+    round streams A once and not once when there is a router. Probes UPSTREAM-GAPS 1, "no
+    coverage handshake".
     """
     limit, info = _pair_limit(ctx)
     a_len = 400 if limit < 400 else limit + 80
@@ -455,6 +495,63 @@ def divergence_auto_truncate(ctx: Ctx) -> None:
         ctx.run_phase(f"B{i}", [ctx.normal(f"victim-B{i}", b, 100, canary=owner_b)])
         owner_a, a = ctx.canary(f"A{i}", a_len)
         ctx.run_phase(f"A{i}", [ctx.normal(f"A{i}", a, canary=owner_a, stream=bool(i % 2))])
+    _after(ctx, ctx.knobs.victims, limit)
+
+
+def divergence_context_length(ctx: Ctx) -> None:
+    """Prefill and decode with different ``--context-length``: prefill 106, decode 1024, equal
+    1024-token pools, ``--allow-auto-truncate`` on both, the run's page size. Each round a
+    victim B (96 tokens + 100 generated) fills decode's pages, then a prompt A of 105 tokens
+    (at page 16 and 64 the divergence falls inside the last partial page: the same number of
+    pages either way) or 200 tokens is sent to both legs directly (what the router does).
+
+    Stock 0.5.23: prefill truncates A to its own limit (100 tokens) and writes only those
+    positions; decode reserved all of A's positions and commits the transfer checking only the
+    room, so the positions prefill did not write still hold B's (or older) KV, and A's answer
+    is HTTP 200 with other content (a leak naming B, or tokens of the request's own alphabet at
+    the wrong positions). Expected: an explicit error (the fork refuses to pair legs whose
+    context lengths differ; with that check skipped, its coverage attestation refuses the
+    commit) or A's own reference answer; normal requests follow on the same stack. Probes
+    UPSTREAM-GAPS 1, "no coverage handshake", and the context length the legs never compare.
+    """
+    limit, info = _pair_limit(ctx)
+    lengths = (CTX_DIV_PREFILL_CONTEXT - 1, 200)
+    ctx.notes.append(f"limits {info}; A lengths {lengths}")
+    for i in range(ctx.knobs.divergence_rounds):
+        owner_b, b = ctx.canary(f"victim-B{i}", min(96, limit - 1))
+        ctx.run_phase(f"B{i}", [ctx.normal(f"victim-B{i}", b, 100, canary=owner_b)])
+        n = lengths[i % len(lengths)]
+        owner_a, a = ctx.canary(f"A{i}-{n}", n)
+        ctx.run_phase(f"A{i}", [ctx.normal(f"A{i}-{n}", a, canary=owner_a)])
+    _after(ctx, ctx.knobs.victims, limit)
+
+
+def divergence_chat_template(ctx: Ctx) -> None:
+    """Prefill and decode with different ``--chat-template`` (equal pools and context lengths,
+    the run's page size): both render the messages' contents, then a fixed suffix, decode's
+    3 tokens longer (``targets.CHAT_SUFFIX``). Each round a victim B (80 tokens + 100 generated,
+    ``/generate``) fills decode's pages, then a ``/v1/chat/completions`` request A whose message
+    spells 60 canary tokens is sent to both legs directly (what the router does), judged against
+    the reference answer for decode's rendering of it.
+
+    Stock 0.5.23: each leg tokenizes its own rendering; prefill writes the KV of its shorter
+    prompt and computes the first token from it, decode reserved 3 positions more and commits
+    the transfer checking only the room, so those positions hold B's (or older) KV and A's
+    answer is HTTP 200 with other content (a leak). Expected: an explicit error (the fork
+    compares the chat-template digests when decode pairs and refuses the pair; its coverage
+    attestation would refuse the commit) or A's reference answer; normal requests follow.
+    Probes UPSTREAM-GAPS 1, "no coverage handshake", and the chat template the legs never
+    compare.
+    """
+    limit, info = _pair_limit(ctx)
+    ctx.notes.append(f"limits {info}; chat suffixes {CHAT_SUFFIX}")
+    for i in range(ctx.knobs.divergence_rounds):
+        owner_b, b = ctx.canary(f"victim-B{i}", min(80, limit - 1))
+        ctx.run_phase(f"B{i}", [ctx.normal(f"victim-B{i}", b, 100, canary=owner_b)])
+        owner_a, content = ctx.canary(f"chat-A{i}", 60)
+        rendered = content + list(CHAT_SUFFIX["decode"])
+        ctx.run_phase(f"A{i}", [ctx.direct_chat(f"chat-A{i}", content, rendered,
+                                                canary=owner_a)])
     _after(ctx, ctx.knobs.victims, limit)
 
 
@@ -483,24 +580,17 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              deployment_ok=True),
     Scenario("room-replay", "room", "default", room_replay, deployment_ok=True,
              known_unsafe_upstream=True),
-    # Last on the default stack: duplicate rooms crash the decode scheduler (both variants,
-    # measured), and the stack is then restarted only if another scenario needs it.
+    # Last on the default stack: duplicate rooms crash a stock decode scheduler (and the fork's
+    # before patch 0019; measured), and the stack is then restarted only if another scenario
+    # needs it.
     Scenario("room-duplicate-concurrent", "room", "default", room_duplicate_concurrent,
              deployment_ok=True, known_unsafe_upstream=True),
     Scenario("divergence-auto-truncate", "divergence", "p_lt_d_truncate",
              divergence_auto_truncate, known_unsafe_upstream=True),
-    _planned("divergence-context-length", "divergence",
-             "Prefill and decode with different --context-length (page 16 and 64): a prompt that "
-             "diverges inside the last partial page. A leak: decode reads the unwritten tail.",
-             "divergence", unsafe=True,
-             reason="needs per-side --context-length stacks at page 16/64 (not in this "
-                    "skeleton yet); covered by test/pd/test_divergence.py"),
-    _planned("divergence-chat-template", "divergence",
-             "Prefill and decode render a chat with different --chat-template: decode reserves "
-             "more positions than prefill writes. A leak: the stale positions' tokens.",
-             "divergence", unsafe=True,
-             reason="needs per-side --chat-template stacks and /v1/chat/completions judging "
-                    "(not in this skeleton yet); covered by test/pd/test_divergence.py"),
+    Scenario("divergence-context-length", "divergence", "ctx_div",
+             divergence_context_length, known_unsafe_upstream=True),
+    Scenario("divergence-chat-template", "divergence", "tpl_div",
+             divergence_chat_template, known_unsafe_upstream=True),
     *(_planned(f"abort-{phase}", "abort",
                f"Client disconnect/abort during {what}, interleaved with normal traffic that "
                "reuses the pages. A leak: a later request decodes over pages the aborted "
@@ -538,9 +628,20 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 )}
 
 
-def select(names: Sequence[str] | None, *, deployment: bool) -> list[Scenario]:
+#: The CI smoke (``--smoke``): ``--quick`` restricted to the scenarios of the ``default``
+#: stack, so one pair of stacks (base and fork) plus the reference run, with the overhead
+#: bursts. It keeps what the smoke test must prove: the false-alarm check (steady-state), a
+#: scenario in which stock 0.5.23 leaks (spoof-fake-bootstrap-host), and the fork at zero leaks
+#: and hangs; the other stacks' scenarios run in ``--quick`` and the full matrix.
+SMOKE_SCENARIOS: tuple[str, ...] = ("steady-state", "spoof-fake-bootstrap-host",
+                                    "spoof-health-check-rid", "room-replay",
+                                    "room-duplicate-concurrent")
+
+
+def select(names: Sequence[str] | None) -> list[Scenario]:
     """The scenarios a run covers (all registered ones when ``names`` is empty), in registry
-    order; unknown names raise ``KeyError``."""
+    order; unknown names raise ``KeyError``. Whether each one runs in this mode is
+    ``applicable``'s answer; the report lists the others with the reason."""
     if names:
         unknown = [n for n in names if n not in SCENARIOS]
         if unknown:
@@ -550,10 +651,18 @@ def select(names: Sequence[str] | None, *, deployment: bool) -> list[Scenario]:
     return list(SCENARIOS.values())
 
 
-def applicable(s: Scenario, *, deployment: bool) -> tuple[bool, str]:
-    """(runs here, why not) for an implemented scenario in this mode."""
+#: Why a scenario with ``in_quick=False`` is reported ``not_applicable`` in ``--quick``.
+FULL_ONLY = ("full matrix only: its own stacks would push --quick past its 10-minute budget on "
+             "2 cores (docs/benchmark.md); run it with --scenarios NAME or without --quick")
+
+
+def applicable(s: Scenario, *, deployment: bool, quick: bool = False) -> tuple[bool, str]:
+    """(runs here, why not) for a scenario in this mode; ``quick``: a ``--quick`` run that
+    did not name its scenarios (those outside ``in_quick`` are left to the full matrix)."""
     if not s.implemented:
         return False, s.reason
+    if quick and not s.in_quick and not deployment:
+        return False, FULL_ONLY
     if deployment and not s.deployment_ok:
         return False, ("harness only: needs servers in a specific configuration "
                        f"(stack {s.stack!r}) or server-side faults/restarts")

@@ -48,24 +48,79 @@ class VariantMismatch(RuntimeError):
 
 @dataclass(frozen=True)
 class StackKind:
-    """One PD configuration: pools (= context lengths, the operator's remedy for a pool smaller
-    than the model's context, which the fork requires), auto-truncation, router or not."""
+    """One PD configuration, given identically to both variants.
+
+    ``context``: ``"shared"`` gives both legs ``--context-length`` = the smaller pool (the
+    configuration the fork accepts: no pool below its context length, and both legs agreeing
+    on the context length); ``"per_side"`` gives each leg its own pool as context length (the
+    remedy operators used before, with which the legs admit different prompts: the incident's
+    divergence); ``contexts``: explicit ``(prefill, decode)`` context lengths, overriding
+    ``context``. ``chat_templates``: each leg gets its own ``--chat-template``
+    (``chat_template_text(CHAT_SUFFIX[role])``: decode renders 3 tokens more than prefill).
+    ``router``: False for stacks whose legs may refuse to pair (the harness's router start
+    waits for one successful generation); requests then go to both legs directly, which is
+    what the router does."""
 
     name: str
     prefill_pool: int
     decode_pool: int
     auto_truncate: bool = False
+    context: str = "shared"
+    router: bool = True
     doc: str = ""
+    contexts: tuple[int, int] | None = None
+    chat_templates: bool = False
+
+    def context_length(self, role: str) -> int:
+        if self.contexts is not None:
+            return self.contexts[0] if role == "prefill" else self.contexts[1]
+        if self.context == "per_side":
+            return self.prefill_pool if role == "prefill" else self.decode_pool
+        return min(self.prefill_pool, self.decode_pool)
+
+
+#: Prefill's context length on the ``ctx_div`` stack (decode: 1024, pools 1024): upstream's
+#: scheduler limit there is ``min(106 - 1, 1024 - 1) - 5 = 100`` tokens, so a 105-token prompt
+#: diverges inside the last partial page at page sizes 16 and 64 (test/pd/test_divergence.py).
+CTX_DIV_PREFILL_CONTEXT = 106
+
+#: Token ids each leg's chat template appends after the messages on the ``tpl_div`` stack:
+#: word tokens outside every canary alphabet (``canary.owner_of`` is None for them), decode's
+#: suffix 3 tokens longer than prefill's, so decode reserves 3 positions prefill never writes.
+CHAT_SUFFIX: dict[str, tuple[int, ...]] = {"prefill": (508, 509),
+                                           "decode": (508, 509, 510, 511, 508)}
+
+
+def chat_template_text(suffix: tuple[int, ...], words: dict[int, str]) -> str:
+    """A Jinja chat template: every message's content followed by a space, then ``suffix``
+    (token ids, spelled with the word-level vocabulary ``words``)."""
+    return ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+            + " ".join(words[t] for t in suffix))
+
+
+def word_vocab(model_path: Path) -> dict[int, str]:
+    """id -> word of a word-level tokenizer (the tiny model's ``tokenizer.json``)."""
+    import json
+
+    vocab = json.loads((Path(model_path) / "tokenizer.json").read_text())["model"]["vocab"]
+    return {int(i): str(w) for w, i in vocab.items()}
 
 
 STACK_KINDS: dict[str, StackKind] = {k.name: k for k in (
-    StackKind("default", 1024, 1024, doc="equal 1024-token pools (the shared test stack)"),
-    StackKind("p_lt_d", 320, 1024, doc="prefill pool 320 < decode pool 1024"),
-    StackKind("d_lt_p", 1024, 768, doc="decode pool 768 < prefill pool 1024"),
-    StackKind("p_lt_d_truncate", 320, 1024, True,
-              doc="the incident: prefill 320 < decode 1024, --allow-auto-truncate on both"),
-    StackKind("d_lt_p_truncate", 1024, 768, True,
-              doc="decode 768 < prefill 1024, --allow-auto-truncate on both"),
+    StackKind("default", 1024, 1024, doc="equal 1024-token pools and context (the test stack)"),
+    StackKind("p_lt_d", 320, 1024, doc="prefill pool 320 < decode pool 1024, context 320"),
+    StackKind("d_lt_p", 1024, 768, doc="decode pool 768 < prefill pool 1024, context 768"),
+    StackKind("p_lt_d_truncate", 320, 1024, True, context="per_side", router=False,
+              doc="the incident: prefill pool 320 < decode pool 1024, each leg's context its "
+                  "pool, --allow-auto-truncate on both; requests sent to both legs directly"),
+    StackKind("ctx_div", 1024, 1024, True, router=False,
+              contexts=(CTX_DIV_PREFILL_CONTEXT, 1024),
+              doc=f"equal 1024-token pools, prefill --context-length {CTX_DIV_PREFILL_CONTEXT}, "
+                  "decode 1024, --allow-auto-truncate on both; requests sent to both legs "
+                  "directly"),
+    StackKind("tpl_div", 1024, 1024, router=False, chat_templates=True,
+              doc="equal 1024-token pools and context, each leg its own --chat-template "
+                  "(decode's renders 3 tokens more); requests sent to both legs directly"),
 )}
 
 
@@ -145,6 +200,18 @@ class PDTarget:
     book: CanaryBook
     stack: PDStack | None = None
     notes: list[str] = field(default_factory=list)
+
+    def words(self) -> dict[int, str]:
+        """id -> word of the served model's word-level vocabulary (harness targets only: the
+        tiny model; chat scenarios spell canary token ids with it)."""
+        if self.stack is None:
+            raise RuntimeError("word vocabulary is known only for harness stacks")
+        return word_vocab(self.stack.decode.config.model_path)
+
+    def served_model(self) -> str:
+        """The model id decode serves (``/v1/models``), for OpenAI-style requests."""
+        data = requests.get(self.decode_url + "/v1/models", timeout=30).json()
+        return str(data["data"][0]["id"])
 
     def limits(self) -> dict[str, SideLimits]:
         return {"prefill": side_limits(self.prefill_url), "decode": side_limits(self.decode_url)}
@@ -229,19 +296,25 @@ class Harness:
         k = STACK_KINDS[kind]
 
         def cfg(role: str, pool: int) -> ServerConfig:
+            extra: list[str] = []
+            if k.chat_templates:
+                tpl = self.log_dir / f"chat-template-{role}.jinja"
+                tpl.write_text(chat_template_text(CHAT_SUFFIX[role], word_vocab(self.model)))
+                extra = ["--chat-template", str(tpl)]
             return ServerConfig(role=role, model_path=self.model, backend=backend,
                                 max_total_tokens=pool, page_size=page_size,
-                                context_length=pool, allow_auto_truncate=k.auto_truncate,
+                                context_length=k.context_length(role),
+                                allow_auto_truncate=k.auto_truncate, extra_args=extra,
                                 env=self.env(variant))
 
         with pd_stack(backend, self.log_dir, prefill=cfg("prefill", k.prefill_pool),
-                      decode=cfg("decode", k.decode_pool)) as st:
+                      decode=cfg("decode", k.decode_pool), with_router=k.router) as st:
             urls = {"prefill": st.prefill.url, "decode": st.decode.url}
             versions = verify_variant(urls, variant)
-            assert st.prefill.bootstrap_port is not None and st.router is not None
+            assert st.prefill.bootstrap_port is not None
             yield PDTarget(variant, backend, page_size, kind, st.prefill.url, st.decode.url,
-                           st.router.url, "127.0.0.1", st.prefill.bootstrap_port, versions,
-                           CanaryBook(self.vocab), st)
+                           st.router.url if st.router else None, "127.0.0.1",
+                           st.prefill.bootstrap_port, versions, CanaryBook(self.vocab), st)
 
 
 def deployment_target(prefill: str, decode: str, router: str | None, *,
@@ -289,5 +362,6 @@ def wait_until(pred, timeout: float, poll: float = 0.5) -> bool:
     return pred()
 
 
-__all__ = ["STACK_KINDS", "Harness", "PDTarget", "SideLimits", "StackKind", "StartupError",
-           "VariantMismatch", "deployment_target", "side_limits", "variant_of", "verify_variant"]
+__all__ = ["CHAT_SUFFIX", "CTX_DIV_PREFILL_CONTEXT", "STACK_KINDS", "Harness", "PDTarget",
+           "SideLimits", "StackKind", "StartupError", "VariantMismatch", "chat_template_text",
+           "deployment_target", "side_limits", "variant_of", "verify_variant", "word_vocab"]

@@ -1,17 +1,24 @@
-"""CI smoke test of the regression benchmark: ``python -m benchmark.regression --quick``.
+"""CI smoke test of the regression benchmark: ``python -m benchmark.regression --smoke``.
 
-Runs the quick benchmark end to end (both variants: stock 0.5.23 with only the CPU patches, and
-the installed fork; real servers on the CPU harness) and checks what the benchmark promises:
+What runs (docs/benchmark.md, "CI smoke"): by default ``--smoke``, i.e. ``--quick`` (mooncake,
+page size 1, few requests, one overhead repetition) restricted to the scenarios of the
+``default`` stack (``benchmark.scenarios.SMOKE_SCENARIOS``), so it fits CI's time budget; with
+``PDSAFE_BENCH=1`` the whole ``--quick`` matrix (every stack kind) instead. Both variants run
+(stock 0.5.23 with only the CPU patches, and the installed fork; real servers on the CPU
+harness), and the test checks what the benchmark promises:
 
-* exit status 0 and a complete report.json (schema keys, every registered scenario reported
-  per variant, not-implemented ones included, overhead ratios with their spread);
+* exit status 0 and a complete report.json (schema keys, every selected scenario reported per
+  variant, not-implemented ones included in ``--quick``, overhead ratios with their spread);
 * the fork: zero leaks and zero hangs in every scenario and in the overhead bursts;
 * the base variant LEAKS or HANGS in at least one scenario where upstream is known unsafe (the
   benchmark proves it can see the bug; a benchmark that cannot would pass any fork);
 * the servers really ran the variants they were labelled with (versions from /server_info).
 
-The report writer and the outcome classifier are tested without servers in
-test/unit/test_benchmark_report.py and test/unit/test_benchmark_outcomes.py.
+No timing assertion: the run's wall time is in report.json ``timing`` and printed with ``-s``;
+the subprocess timeout below only stops a run that hangs as a whole.
+
+The report writer, the outcome classifier and the stack kinds are tested without servers in
+test/unit/test_benchmark_report.py, test_benchmark_outcomes.py and test_benchmark_stacks.py.
 """
 
 from __future__ import annotations
@@ -25,23 +32,28 @@ from pathlib import Path
 import pytest
 
 from benchmark.report import CELL_KEYS, TOP_KEYS
-from benchmark.scenarios import SCENARIOS
+from benchmark.scenarios import SCENARIOS, SMOKE_SCENARIOS
 
 pytestmark = [pytest.mark.server, pytest.mark.benchmark]
 
 REPO = Path(__file__).resolve().parent.parent
-#: --quick must finish within 10 minutes on 2 CPU cores (issue 8); a loaded dev box may need
-#: more, so the budget can be raised, never silently.
-BUDGET_S = float(os.environ.get("PDSAFE_BENCH_QUICK_BUDGET_S", "600"))
+#: PDSAFE_BENCH=1: the whole --quick matrix instead of the CI smoke.
+FULL_QUICK = os.environ.get("PDSAFE_BENCH", "0") == "1"
+#: Hang guard for the whole run (not a performance bound: the benchmark bounds each request).
+RUN_TIMEOUT_S = 3600
+
+
+def _expected_scenarios() -> list[str]:
+    return list(SCENARIOS) if FULL_QUICK else list(SMOKE_SCENARIOS)
 
 
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
-    out = tmp_path_factory.mktemp("bench-quick")
+    out = tmp_path_factory.mktemp("bench-quick" if FULL_QUICK else "bench-smoke")
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmark.regression", "--quick", "--out", str(out),
-         "--no-progress"],
-        cwd=REPO, capture_output=True, text=True, timeout=BUDGET_S + 600,
+        [sys.executable, "-m", "benchmark.regression", "--quick" if FULL_QUICK else "--smoke",
+         "--out", str(out), "--no-progress"],
+        cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
     )
     log = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
     assert proc.returncode == 0, log
@@ -49,15 +61,16 @@ def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     for png in report["plots"]:
         assert (out / png).stat().st_size > 1000, png
     assert (out / "report.md").is_file()
+    print(f"benchmark {'--quick' if FULL_QUICK else '--smoke'}: "
+          f"{report['timing']['total_s']} s\n{proc.stdout[-2000:]}")
     return report, log
 
 
-def test_quick_report_schema_and_budget(quick_report):
+def test_quick_report_schema(quick_report):
     rep, log = quick_report
     assert set(TOP_KEYS) <= set(rep), set(TOP_KEYS) - set(rep)
     assert rep["quick"] is True and rep["mode"] == "harness"
-    assert rep["timing"]["total_s"] <= BUDGET_S, (
-        f"--quick took {rep['timing']['total_s']} s (budget {BUDGET_S} s)\n{log}")
+    assert rep["config"]["scenarios"] == _expected_scenarios(), rep["config"]["scenarios"]
     base, fork = rep["versions"]["base"], rep["versions"]["fork"]
     assert base and "+pdsafe" not in base, base
     assert fork and "+pdsafe" in fork, fork
@@ -67,7 +80,7 @@ def test_quick_report_schema_and_budget(quick_report):
     for c in cells:
         assert set(CELL_KEYS) <= set(c), set(CELL_KEYS) - set(c)
     seen = {(c["scenario"], c["variant"]) for c in cells}
-    missing = {(s, v) for s in SCENARIOS for v in ("base", "fork")} - seen
+    missing = {(s, v) for s in _expected_scenarios() for v in ("base", "fork")} - seen
     assert not missing, f"scenarios silently absent from the report: {sorted(missing)}"
     for c in cells:
         s = SCENARIOS[c["scenario"]]

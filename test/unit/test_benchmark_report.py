@@ -136,4 +136,4 @@ def test_registry_documents_every_scenario() -> None:
     assert not applicable(SCENARIOS["divergence-auto-truncate"], deployment=True)[0]
     assert not applicable(SCENARIOS["over-capacity-deployed"], deployment=False)[0]
     with pytest.raises(KeyError):
-        select(["no-such-scenario"], deployment=False)
+        select(["no-such-scenario"])
