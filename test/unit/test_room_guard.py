@@ -137,7 +137,7 @@ def test_live_rooms_transitions() -> None:
     assert reg.claim(ROOM, "a") is None and reg.holder(ROOM).rid == "a"
     assert reg.claim(ROOM, "a") is None, "a re-entry of the holder is no conflict"
     assert reg.claim(ROOM, "b").rid == "a", "a second holder is reported"
-    assert reg.release(ROOM) and reg.holder(ROOM) is None and not reg.release(ROOM)
+    assert reg.release(ROOM)[0] and reg.holder(ROOM) is None and not reg.release(ROOM)[0]
     assert len(reg) == 0
 
 
@@ -363,3 +363,59 @@ def test_parallel_sampling_unknown_mode_fails_closed(monkeypatch) -> None:
     monkeypatch.delenv(room_guard.ENV_ENABLE, raising=False)
     with pytest.raises(room_guard.ParallelSamplingRefusedError):
         room_guard.check_http_request(SimpleNamespace(server_args=None), _normalized(2))
+
+
+# --------------------------------------------------------------------------- the duplicate's peer
+
+
+def test_prefill_release_fails_the_refused_duplicates_decode_leg() -> None:
+    """Prefill kept A and refused duplicate B; decode admitted B (A's decode leg was done). When
+    A's sender is cleared, B's decode metadata, present now or arriving later, is answered with
+    Failed carrying 409, so B's decode client gets an explicit 409 instead of waiting for its
+    timeout. Real Mooncake prefill manager, real KV_STATUS encoding."""
+    from sglang.pdsafe import peer_release
+    from sglang.pdsafe.peer_release_wire import peer_refusal_status
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    from .test_peer_release_backends import _prefill_manager
+
+    m, sent = _prefill_manager(MooncakeKVManager)
+    info = SimpleNamespace(endpoint="127.0.0.1", dst_port=4321, is_dummy=False)
+    reg = room_guard.live_rooms(m)
+    reg.claim(ROOM, "a")
+    reg.note_refused(ROOM)  # what door() records when it refuses B
+    m.transfer_infos[ROOM] = {"decode-0": info}  # B's metadata arrived after A's transfer
+    m.request_status[ROOM] = KVPoll.Success
+    room_guard.released(SimpleNamespace(bootstrap_room=ROOM, kv_mgr=m))
+    assert reg.holder(ROOM) is None
+    assert len(sent) == 1, sent
+    parsed = m.parse_kv_status_message(sent[0][1])
+    assert parsed[0] == ROOM and parsed[1] == int(KVPoll.Failed), parsed
+    assert "duplicate" in parsed[3] and peer_refusal_status(parsed[3], 500) == 409, parsed[3]
+    # B's metadata arriving after the clear is answered at once, never recorded as bootstrapped.
+    m.transfer_infos[ROOM] = {"decode-0": info}
+    m.request_status.pop(ROOM, None)
+    m.update_status(ROOM, KVPoll.WaitingForInput)
+    assert len(sent) == 2 and m.parse_kv_status_message(sent[1][1])[1] == int(KVPoll.Failed)
+    assert ROOM not in m.request_status
+    # The tombstone is short: the room is usable again after DUPLICATE_TTL_S.
+    rec = peer_release._registry(m).get(ROOM)
+    assert rec is not None and rec.expires - rec.t0 <= peer_release.DUPLICATE_TTL_S + 1e-6
+
+
+def test_release_without_refused_duplicates_tells_nobody() -> None:
+    """The normal path: a room released with no duplicate refused sends nothing."""
+    from sglang.pdsafe import peer_release
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    from .test_peer_release_backends import _prefill_manager
+
+    m, sent = _prefill_manager(MooncakeKVManager)
+    room_guard.live_rooms(m).claim(ROOM, "a")
+    m.transfer_infos[ROOM] = {"decode-0": SimpleNamespace(endpoint="127.0.0.1", dst_port=4321,
+                                                          is_dummy=False)}
+    m.request_status[ROOM] = KVPoll.Success
+    room_guard.released(SimpleNamespace(bootstrap_room=ROOM, kv_mgr=m))
+    assert sent == [] and peer_release._registry(m).get(ROOM) is None

@@ -164,12 +164,14 @@ class _Registry:
                                "dropped room %s before its decode asked for it", MAX_ROOMS, room)
 
     def record(self, room: int, reason: str, origin: str,
-               t0_wall: float | None = None, status: int | None = None) -> _Room:
+               t0_wall: float | None = None, status: int | None = None,
+               ttl_s: float | None = None) -> _Room:
         now = time.monotonic()
         with self.lock:
             rec = self.rooms.get(room)
             if rec is None or rec.expires <= now:
-                rec = _Room(reason, origin, now, t0_wall, now + _ttl_s(), status=status)
+                rec = _Room(reason, origin, now, t0_wall, now + (ttl_s or _ttl_s()),
+                            status=status)
                 self.rooms[room] = rec
             elif origin != ORIGIN_PEER and rec.origin == ORIGIN_PEER:
                 # A local verdict is the one decode should hear (a peer ABORT carries none).
@@ -289,6 +291,33 @@ def prefill_rejected(kv_mgr: Any, room: int | None, reason: str, origin: str = O
         return  # the KV was already sent: nothing is reserved for it any more
     rec = _registry(kv_mgr).record(int(room), reason, origin, t0_wall, status)
     _answer_decode(kv_mgr, int(room), rec)
+
+
+#: How long a prefill answers decode metadata for a room whose refused duplicate's counterpart
+#: may still arrive (short: a client may reuse the room legitimately once both are gone).
+DUPLICATE_TTL_S = 10.0
+
+
+@guarded("peer_release.duplicate_released", default=None, **_guard)
+def duplicate_released(kv_mgr: Any, room: int, reason: str, status: int) -> None:
+    """The live request of ``room`` on this prefill is being cleared, and a duplicate of the
+    room was refused here while it held it (``sglang.pdsafe.room_guard``). The duplicate's
+    decode leg, if that decode admitted it, waits for a transfer no sender will make: answer
+    its metadata with Failed, now (still in ``transfer_infos``) or when it arrives within
+    ``DUPLICATE_TTL_S``. Called before upstream drops the room's state; unlike
+    :func:`prefill_rejected` it also acts when the live request's transfer succeeded (that is
+    the case to cover: the room's one transfer is done, the duplicate's leg has none).
+    """
+    if not enabled() or not _is_prefill(kv_mgr):
+        return
+    reg = _registry(kv_mgr)
+    rec = reg.record(int(room), reason, ORIGIN_LOCAL, status=status, ttl_s=DUPLICATE_TTL_S)
+    _answer_decode(kv_mgr, int(room), rec)
+    # The live request's decode leg and the duplicate's come from the same decode endpoints:
+    # metadata arriving later must be answered again (a Failed for a room decode no longer
+    # holds is ignored there).
+    with reg.lock:
+        rec.answered.clear()
 
 
 @guarded("peer_release.on_metadata_complete", default=False, **_guard)

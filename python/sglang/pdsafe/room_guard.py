@@ -45,10 +45,19 @@ never held past its request. All transitions happen on the scheduler thread, in 
 on every rank (the doors and the clears follow the ranks' all-reduced polls), so every rank
 reaches the same verdict; nothing is released by timeout or garbage collection.
 
+A refused duplicate's other leg, admitted by a peer that had no live request of that room,
+would wait for a transfer nobody makes. On the prefill side, the release of the room's live
+request (``CommonKVSender.clear``, before upstream drops the room's state) answers the decode
+metadata of that room with Failed, now or when it arrives within
+``peer_release.DUPLICATE_TTL_S`` (``peer_release.duplicate_released``), so that decode leg gets
+an explicit 409 instead of hanging.
+
 What this does not do: it is no generation. A request of room R that arrives after the live
-one was released (a replay) is admitted; telling the two transfers apart is the job of the
-per-transfer generation (issue 9, items 1-2). A refused duplicate's other leg (sent to the
-peer, which had no live request of that room) waits for its own bootstrap timeout.
+one was released (a replay) is admitted (after ``DUPLICATE_TTL_S`` when a duplicate was
+refused); telling the two transfers apart is the job of the per-transfer generation (issue 9,
+items 1-2). On the decode side the counterpart (a prefill leg the prefill admitted after the
+room's live decode request was gone) is not told: a peer-release notice would keep the room
+refused on the prefill for its whole TTL; that leg waits for its own bootstrap timeout.
 
 Off switch (default on): ``SGLANG_PDSAFE_ROOM_GUARD=0`` (logged as a warning at startup).
 """
@@ -123,6 +132,7 @@ class LiveRooms:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._claims: dict[int, Claim] = {}
+        self._refused: dict[int, int] = {}  # room -> duplicates refused while it was live
 
     def holder(self, room: int) -> Claim | None:
         with self._lock:
@@ -137,9 +147,16 @@ class LiveRooms:
             self._claims[room] = Claim(rid, time.monotonic())
             return prev if prev is not None and prev.rid != rid else None
 
-    def release(self, room: int) -> bool:
+    def note_refused(self, room: int) -> None:
+        """A duplicate of the live ``room`` was refused (told to the peer at release)."""
         with self._lock:
-            return self._claims.pop(room, None) is not None
+            if room in self._claims:
+                self._refused[room] = self._refused.get(room, 0) + 1
+
+    def release(self, room: int) -> tuple[bool, int]:
+        """Free ``room``: (whether it was live, duplicates refused while it was)."""
+        with self._lock:
+            return self._claims.pop(room, None) is not None, self._refused.pop(room, 0)
 
     def __len__(self) -> int:
         with self._lock:
@@ -243,6 +260,7 @@ def door(queue: Any, req: Any, reentry: bool = False) -> Refusal | None:
         return None
     side = _side(kv_mgr)
     metrics.inc(REFUSED_DUPLICATE)
+    live_rooms(kv_mgr).note_refused(room)
     _log_refusal(side, room, str(getattr(req, "rid", "?")))
     verdict = getattr(req, "to_finish", None)
     message = getattr(verdict, "message", None)
@@ -281,8 +299,21 @@ def released(endpoint: Any) -> None:
     if room is None or kv_mgr is None:
         return
     reg = getattr(kv_mgr, _REGISTRY_ATTR, None)
-    if reg is not None:
-        reg.release(int(room))
+    if reg is None:
+        return
+    _, refused = reg.release(int(room))
+    if refused and _side(kv_mgr) == "prefill":
+        from sglang.pdsafe import peer_release
+
+        peer_release.duplicate_released(kv_mgr, int(room), duplicate_peer_reason(int(room)),
+                                        int(CONFLICT_STATUS))
+
+
+def duplicate_peer_reason(room: int) -> str:
+    """What the refused duplicate's decode leg is told when the room's live request is gone."""
+    return (f"another request with bootstrap_room {room} was in flight on the prefill server, "
+            f"which refused this request as a duplicate (HTTP {int(CONFLICT_STATUS)}); retry "
+            f"with a fresh random bootstrap_room, or send the request through the PD router")
 
 
 # --------------------------------------------------------------------------- HTTP layer
