@@ -1,0 +1,119 @@
+"""Mixed fork/stock PD pairs, as during a rolling upgrade (issue 11, item 2; first slice).
+
+The stock leg is the pinned upstream 0.5.23 plus only the CPU-enablement patches 0001-0003 (the
+benchmark's base tree, ``benchmark.base_tree``), run with ``PYTHONPATH`` pointing at that tree;
+the fork leg is the installed package. Each started server's ``/server_info`` version is checked,
+so a pair can never silently be fork/fork.
+
+* **stock prefill, fork decode**: the stock prefill publishes no pair settings and writes no
+  coverage attestation. Every request fails on both legs with an explicit error naming the
+  missing pdsafe wire version (pair agreement), at once, never a hang and never an HTTP 200;
+  the decode counts the refused prefill once; both servers keep running.
+* **fork prefill, stock decode**: the fork's extra data (attestation slots of the metadata row,
+  pair settings only on request) must not confuse a stock decode: every answer, direct and
+  through the router, is the co-located reference's, token for token.
+
+What this does not cover yet (issue 11): a negotiated per-peer policy (serving a stock peer with
+a protection off for an upgrade window), fork/fork of another release over the KV wire.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pdsafe_testkit.backends import BACKENDS
+from pdsafe_testkit.metrics import metric_total
+from pdsafe_testkit.oracle import Oracle, random_prompt
+from pdsafe_testkit.servers import (
+    SHARED_DECODE_POOL,
+    SHARED_PREFILL_POOL,
+    PDStack,
+    ServerConfig,
+    direct_pd_generate,
+    generate,
+    pd_stack,
+)
+
+pytestmark = pytest.mark.server
+
+MAX_NEW = 16
+#: Longest a refused request may take to be answered (upstream's own timeouts are 300 s).
+BOUND_S = 60.0
+MISMATCH_COUNTER = "sglang:pdsafe_pair_setting_mismatch_total"
+#: The context both legs share (pair agreement compares it).
+CONTEXT = min(SHARED_PREFILL_POOL, SHARED_DECODE_POOL)
+
+
+@pytest.fixture(scope="module")
+def stock_env() -> dict[str, str]:
+    """Environment that makes a server run the stock tree (built once, reused by key)."""
+    from benchmark.base_tree import prepare_base_tree
+
+    return prepare_base_tree().env()
+
+
+def _cfg(role: str, model_path: Path, env: dict[str, str] | None = None) -> ServerConfig:
+    pool = SHARED_PREFILL_POOL if role == "prefill" else SHARED_DECODE_POOL
+    return ServerConfig(role=role, model_path=model_path, max_total_tokens=pool,
+                        context_length=CONTEXT, env=dict(env or {}))
+
+
+def _assert_versions(st: PDStack, stock: str) -> None:
+    for side, server in (("prefill", st.prefill), ("decode", st.decode)):
+        version = str(server.server_info().get("version", ""))
+        is_fork = "+pdsafe" in version
+        assert is_fork == (side != stock), f"{side} runs {version!r}; expected the " + (
+            "stock build" if side == stock else "fork")
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def stock_prefill(request, stock_env, log_dir: Path, model_path: Path) -> Iterator[PDStack]:
+    with pd_stack(request.param, log_dir, prefill=_cfg("prefill", model_path, stock_env),
+                  decode=_cfg("decode", model_path), with_router=False) as st:
+        _assert_versions(st, stock="prefill")
+        yield st
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def stock_decode(request, stock_env, log_dir: Path, model_path: Path) -> Iterator[PDStack]:
+    with pd_stack(request.param, log_dir, prefill=_cfg("prefill", model_path),
+                  decode=_cfg("decode", model_path, stock_env)) as st:
+        _assert_versions(st, stock="decode")
+        yield st
+
+
+def test_stock_prefill_fork_decode_refused_at_pairing(stock_prefill: PDStack, model_path):
+    """Every request fails at once on both legs with the pairing refusal; nothing is served."""
+    st = stock_prefill
+    before = metric_total(st.decode.url, MISMATCH_COUNTER)
+    rng = random.Random(1101)
+    for i in range(3):
+        ids = random_prompt(rng, rng.randint(20, 120), model_path)
+        p, d = direct_pd_generate(st, ids, MAX_NEW, timeout=BOUND_S)
+        what = f"{st.backend} stock prefill + fork decode, request {i}"
+        assert d.status != 200 and not d.output_ids, f"{what}: decode served: {d}"
+        msg = d.error_message
+        assert "wire_version" in msg and "sglang-pdsafe" in msg, (
+            f"{what}: the decode's error does not name the missing pdsafe wire version: {msg}")
+        assert p.status != 200 or not p.output_ids or p.error_message, (
+            f"{what}: the stock prefill's client got no error: {p}")
+    assert metric_total(st.decode.url, MISMATCH_COUNTER) == before + 1, (
+        "the refused prefill must be counted once, however many requests name it")
+    for side in (st.prefill, st.decode):
+        assert side.process.alive(), f"{side.config.role} died"
+
+
+def test_fork_prefill_stock_decode_serves_reference(stock_decode: PDStack, oracle: Oracle,
+                                                     model_path):
+    """The fork's extra wire data does not confuse a stock decode: reference-identical answers."""
+    st = stock_decode
+    rng = random.Random(1102)
+    for i in range(3):
+        ids = random_prompt(rng, rng.randint(20, 200), model_path)
+        _, d = direct_pd_generate(st, ids, MAX_NEW, timeout=BOUND_S)
+        oracle.assert_identical(d, ids, MAX_NEW, what=f"{st.backend} fork->stock direct {i}")
+        r = generate(st.router.url, ids, MAX_NEW, timeout=BOUND_S)
+        oracle.assert_identical(r, ids, MAX_NEW, what=f"{st.backend} fork->stock router {i}")
