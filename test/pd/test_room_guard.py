@@ -33,9 +33,9 @@ server = pytest.mark.server
 
 MAX_NEW = 24
 PAIRS = 3
-#: The leg whose request was refused on the peer may wait for its own bootstrap timeout (it
-#: has no generation to tell its transfer apart); the client gives up after this and its
-#: disconnect aborts the request.
+#: A prefill leg whose duplicate was refused on decode may still wait for its own bootstrap
+#: timeout (it has no generation to tell its transfer apart); the client gives up after this
+#: and its disconnect aborts the request. Decode legs must be answered within it.
 LEG_TIMEOUT_S = 45.0
 #: How long the room may take to be released after its last request is gone.
 RELEASE_BOUND_S = 30.0
@@ -83,6 +83,10 @@ def test_duplicate_rooms_concurrent_direct(pd, oracle, model_path):
     conflicts = 0
     for (i, who, ids, room), rp, rd in results:
         what = f"pair {i}{who} (room {room})"
+        # The decode leg is always answered (its reference, a 409, or a coverage refusal):
+        # a duplicate's decode leg whose room the prefill gave to another request is failed
+        # when that request's sender is cleared, not left to its timeout.
+        assert rd.status != 0, f"{what}: the decode leg was never answered: {rd.error_message}"
         v = oracle.assert_identical_or_error(rd, ids, MAX_NEW, what)
         verdicts.append(v)
         for r in (rp, rd):
