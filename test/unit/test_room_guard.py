@@ -399,6 +399,11 @@ def test_prefill_release_fails_the_refused_duplicates_decode_leg() -> None:
     m.update_status(ROOM, KVPoll.WaitingForInput)
     assert len(sent) == 2 and m.parse_kv_status_message(sent[1][1])[1] == int(KVPoll.Failed)
     assert ROOM not in m.request_status
+    # A client's retry of the room within the TTL: its decode metadata is answered too (its
+    # prefill sender fails at once), never left waiting.
+    m.transfer_infos[ROOM] = {"decode-0": info}
+    m.update_status(ROOM, KVPoll.WaitingForInput)
+    assert len(sent) == 3 and m.parse_kv_status_message(sent[2][1])[1] == int(KVPoll.Failed)
     # The tombstone is short: the room is usable again after DUPLICATE_TTL_S.
     rec = peer_release._registry(m).get(ROOM)
     assert rec is not None and rec.expires - rec.t0 <= peer_release.DUPLICATE_TTL_S + 1e-6

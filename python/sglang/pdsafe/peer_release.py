@@ -142,6 +142,7 @@ class _Room:
     answered: set[tuple[str, int]] = field(default_factory=set)  # decode endpoints told
     counted: bool = False
     status: int | None = None  # the 4xx this prefill answered its own client with, if any
+    reanswer: bool = False  # answer every metadata arrival, not each endpoint once (duplicates)
 
 
 class _Registry:
@@ -198,7 +199,7 @@ class _Registry:
         """The decode endpoints not told yet (each is told once), and whether this is the
         room's first answer (counted once)."""
         with self.lock:
-            new = [t for t in targets if t not in rec.answered]
+            new = list(targets) if rec.reanswer else [t for t in targets if t not in rec.answered]
             rec.answered.update(new)
             first = bool(new) and not rec.counted
             rec.counted = rec.counted or bool(new)
@@ -312,12 +313,12 @@ def duplicate_released(kv_mgr: Any, room: int, reason: str, status: int) -> None
         return
     reg = _registry(kv_mgr)
     rec = reg.record(int(room), reason, ORIGIN_LOCAL, status=status, ttl_s=DUPLICATE_TTL_S)
-    _answer_decode(kv_mgr, int(room), rec)
-    # The live request's decode leg and the duplicate's come from the same decode endpoints:
-    # metadata arriving later must be answered again (a Failed for a room decode no longer
-    # holds is ignored there).
+    # Every request of the room comes from the same decode endpoints (the live one's leg, the
+    # duplicate's, a client's retry within the TTL): each metadata arrival is answered, not
+    # each endpoint once (a Failed for a room decode no longer holds is ignored there).
     with reg.lock:
-        rec.answered.clear()
+        rec.reanswer = True
+    _answer_decode(kv_mgr, int(room), rec)
 
 
 @guarded("peer_release.on_metadata_complete", default=False, **_guard)
