@@ -99,14 +99,14 @@ require(_KV_MANAGER,
         "pdsafe_forget_room(bootstrap_room)",
         "pdsafe_room_status(bootstrap_room)",
         why="the prefill answers decode's metadata for a refused room with Failed and drops it "
-            "(patch 0014's named API)")
+            "(patch 0013's named API)")
 require(_KV_MANAGER, "record_failure(bootstrap_room, failure_reason)",
         "update_status(bootstrap_room, status)",
         why="a room refused or aborted on the other side fails its sender with the reason")
 require(_KV_MANAGER, "pdsafe_on_abort_message(msg)",
         "pdsafe_failure_reason_or(bootstrap_room, default)",
         why="the backends' prefill ABORT handlers route ABORT frames to on_abort_message, and "
-            "NIXL's keeps the reason it recorded (patch 0014)")
+            "NIXL's keeps the reason it recorded (patch 0013)")
 require("sglang.srt.disaggregation.base.conn.KVPoll", "Failed", "Success",
         why="room states peer release reads and sets")
 
