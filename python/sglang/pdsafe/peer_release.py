@@ -28,7 +28,7 @@ is three modules:
 * :mod:`sglang.pdsafe.peer_release_wire`: the bare ABORT frame, the switch, the counters.
 
 This module reaches upstream only through public members and the named methods that patch
-0014 adds to ``CommonKVManager`` (``pdsafe_decode_endpoints``, ``pdsafe_send_failed_status``,
+0013 adds to ``CommonKVManager`` (``pdsafe_decode_endpoints``, ``pdsafe_send_failed_status``,
 ``pdsafe_forget_room``, ``pdsafe_room_status``), declared below for the startup self-check.
 
 Invariant: when one side refuses or aborts a PD request before its KV was sent, the other side

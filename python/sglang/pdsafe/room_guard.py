@@ -311,9 +311,10 @@ def released(endpoint: Any) -> None:
 
 def duplicate_peer_reason(room: int) -> str:
     """What the refused duplicate's decode leg is told when the room's live request is gone."""
-    return (f"another request with bootstrap_room {room} was in flight on the prefill server, "
-            f"which refused this request as a duplicate (HTTP {int(CONFLICT_STATUS)}); retry "
-            f"with a fresh random bootstrap_room, or send the request through the PD router")
+    return (f"bootstrap_room {room} is already in use by another request in flight on the "
+            f"prefill server, which refused this request as a duplicate "
+            f"(HTTP {int(CONFLICT_STATUS)}); retry with a fresh random bootstrap_room, or send "
+            f"the request through the PD router")
 
 
 # --------------------------------------------------------------------------- HTTP layer
