@@ -17,6 +17,10 @@ TIMEOUT=(--timeout "${PDSAFE_ABLATION_TEST_TIMEOUT:-240}")
 # should fail its test on the assertion, not on the test timeout.
 export PDSAFE_STARTUP_TIMEOUT=${PDSAFE_STARTUP_TIMEOUT:-150}
 
+# A row that removes a patch adding a named upstream API (0013, 0016) also removes 0017: its
+# startup self-check would otherwise refuse to start every server (the fail-closed check doing
+# its job), and the row would show a setup error instead of the protection's own assertion.
+#
 # name | patches to revert | pytest arguments
 ROWS=(
   "no-placeholder-unit|0004|test/unit/test_placeholder_guard.py"
@@ -30,11 +34,11 @@ ROWS=(
   "decode-limit|0011|test/admission/test_http_admission.py -k pd_refuses"
   "coverage|0012|test/pd/test_divergence.py -k mooncake"
   "peer-release-kv|0013 0014 0015|test/kv/test_kv_transfer.py -k prefill_abort"
-  "peer-release|0013 0014 0015|test/pd/test_peer_release.py -k mooncake"
+  "peer-release|0013 0014 0015 0017|test/pd/test_peer_release.py -k mooncake"
   "peer-release-doors|0014|test/pd/test_peer_release.py -k mooncake and direct"
   "peer-release-http|0015|test/pd/test_peer_release.py -k mooncake and router"
   "liveness-limits|0011|test/pd/test_liveness_limits.py -k every_length and mooncake"
-  "pair-agreement|0016|test/pd/test_liveness_limits.py -k mismatched_pair"
+  "pair-agreement|0016 0017|test/pd/test_liveness_limits.py -k mismatched_pair"
   "startup-report|0017|test/pd/test_pd_content.py -k startup_report"
   "peer-refusal-status|0018|test/pd/test_peer_release.py -k refusal_direct"
   "explicit-limits-unit|0007|test/unit/test_admission_explicit_limits.py"
@@ -71,7 +75,13 @@ for row in "${ROWS[@]}"; do
   result=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)|^=+ .*(passed|failed|error).* in ' "$log" \
            | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
   case $rc in
-    0) verdict="shown necessary (tests fail without it)";;
+    0) if [[ $result == *error* && $result != *failed* ]]; then
+         # every test errored in setup (a server that did not start): not the protection's own
+         # assertion, so it shows nothing
+         verdict="inconclusive (setup errors only, see $log)"
+       else
+         verdict="shown necessary (tests fail without it)"
+       fi;;
     1) verdict="NOT SHOWN: tests pass without it";;
     *) verdict="inconclusive (exit $rc, see $log)";;
   esac
