@@ -634,10 +634,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 #: scenario in which stock 0.5.23 leaks (spoof-fake-bootstrap-host), and the fork at zero leaks
 #: and hangs; the other stacks' scenarios run in ``--quick`` and the full matrix.
 #: Not ``room-duplicate-concurrent``: the fork refuses duplicates (409, patch 0019) and no longer
-#: crashes, but a refused duplicate's counterpart on the other leg can still wait for its
-#: bootstrap timeout when the room's live request there finished first (seen once in three
-#: --quick runs); telling the two transfers apart needs the generation of issue 9. It stays in
-#: --quick, where that hang is reported, not in the CI smoke, where it would make CI flaky.
+#: crashes. A refused duplicate's decode leg is now failed when the prefill clears the room's
+#: live request (it hung once in three --quick runs before that), but a duplicate refused on the
+#: decode side can still leave its prefill leg waiting for its bootstrap timeout; telling the two
+#: transfers apart needs the generation of issue 9. It stays in --quick, where a hang is
+#: reported, not in the CI smoke, where it could make CI flaky.
 SMOKE_SCENARIOS: tuple[str, ...] = ("steady-state", "spoof-fake-bootstrap-host",
                                     "spoof-health-check-rid", "room-replay")
 
