@@ -74,8 +74,8 @@ from typing import Any
 
 from sglang.pdsafe import metrics
 from sglang.pdsafe.admission import AdmissionError
-from sglang.pdsafe.hook_api import guarded
-from sglang.pdsafe.protections import PDModeUnknownError, Protection, is_pd, register
+from sglang.pdsafe.hook_api import attached, guarded
+from sglang.pdsafe.protections import PDModeUnknownError, Protection, is_pd, pd_mode, register
 
 logger = logging.getLogger("sglang.pdsafe.room_guard")
 
@@ -89,7 +89,6 @@ FAILED = "room_guard_failed_total"
 LOG_INTERVAL_S = 10.0
 
 _REGISTRY_ATTR = "_pdsafe_room_guard"
-_registry_create_lock = threading.Lock()
 
 
 def enabled() -> bool:
@@ -169,20 +168,16 @@ class LiveRooms:
 
 def live_rooms(kv_mgr: Any) -> LiveRooms:
     """The registry of ``kv_mgr`` (created on first use, under a pdsafe-owned attribute)."""
-    reg = getattr(kv_mgr, _REGISTRY_ATTR, None)
-    if reg is None:
-        with _registry_create_lock:
-            reg = getattr(kv_mgr, _REGISTRY_ATTR, None)
-            if reg is None:
-                reg = LiveRooms()
-                setattr(kv_mgr, _REGISTRY_ATTR, reg)
-    return reg
+    return attached(kv_mgr, _REGISTRY_ATTR, LiveRooms)
 
 
 def _side(kv_mgr: Any) -> str:
-    mode = getattr(kv_mgr, "disaggregation_mode", None)
-    value = getattr(mode, "value", mode)
-    return value if value in ("prefill", "decode") else "PD"
+    """"prefill" or "decode" (the one PD-mode decision, ``protections.pd_mode``), else "PD"."""
+    try:
+        mode = pd_mode(kv_mgr)
+    except PDModeUnknownError:
+        return "PD"
+    return mode if mode in ("prefill", "decode") else "PD"
 
 
 def _guarded_manager(queue: Any) -> Any | None:
@@ -349,9 +344,8 @@ def check_http_request(tokenizer_manager: Any, obj: Any) -> None:
     try:
         if not is_pd(server_args):
             return
-        side = str(getattr(getattr(server_args, "disaggregation_mode", None), "value",
-                           server_args.disaggregation_mode))
-    except (PDModeUnknownError, AttributeError):
+        side: str = pd_mode(server_args)
+    except PDModeUnknownError:
         side = "PD"
     metrics.inc(REFUSED_PARALLEL)
     raise ParallelSamplingRefusedError(n, side)
