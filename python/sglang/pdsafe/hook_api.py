@@ -264,3 +264,24 @@ def self_check(server_args: Any, reqs: Iterable[Requirement] | None = None) -> N
             + "\n  ".join(problems) + f"\nRemedy: {REMEDY}.")
     logger.info("pdsafe hook API self-check: %d requirements present (%.0f ms)",
                 len(reqs), 1000 * (time.monotonic() - t0))
+
+
+_attached_lock = threading.Lock()
+_S = TypeVar("_S")
+
+
+def attached(obj: Any, attr: str, factory: Callable[[], _S]) -> _S:
+    """pdsafe state kept on an upstream object (a KV manager) under a pdsafe-owned attribute.
+
+    Invariant: created once, on first use, under one lock (double-checked), so every thread
+    that asks for ``obj``'s state gets the same instance; the attribute name is ours
+    (``_pdsafe_*``), so no upstream member is read or replaced.
+    """
+    state = getattr(obj, attr, None)
+    if state is None:
+        with _attached_lock:
+            state = getattr(obj, attr, None)
+            if state is None:
+                state = factory()
+                setattr(obj, attr, state)
+    return state

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang.pdsafe import metrics
-from sglang.pdsafe.hook_api import guarded, require
+from sglang.pdsafe.hook_api import attached, guarded, require
 from sglang.pdsafe.protections import Protection, is_pd, register
 
 logger = logging.getLogger("sglang.pdsafe.pair_agreement")
@@ -275,18 +275,10 @@ class _Verdicts:
 
 
 _VERDICTS_ATTR = "_pdsafe_pair_agreement"
-_create_lock = threading.Lock()
 
 
 def _verdicts(kv_mgr: Any) -> _Verdicts:
-    v = getattr(kv_mgr, _VERDICTS_ATTR, None)
-    if v is None:
-        with _create_lock:
-            v = getattr(kv_mgr, _VERDICTS_ATTR, None)
-            if v is None:
-                v = _Verdicts()
-                setattr(kv_mgr, _VERDICTS_ATTR, v)
-    return v
+    return attached(kv_mgr, _VERDICTS_ATTR, _Verdicts)
 
 
 def _decode_settings(queue: Any) -> PairSettings:

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang.pdsafe import metrics
-from sglang.pdsafe.hook_api import guarded, require
+from sglang.pdsafe.hook_api import attached, guarded, require
 from sglang.pdsafe.peer_notifier import (  # noqa: F401 - the patches' call sites use these names
     decode_rejected,
     finish_message,
@@ -208,18 +208,10 @@ class _Registry:
 
 # The registry lives on the manager (one per prefill KV manager) under a pdsafe-owned name.
 _REGISTRY_ATTR = "_pdsafe_peer_release"
-_registry_create_lock = threading.Lock()
 
 
 def _registry(kv_mgr: Any) -> _Registry:
-    reg = getattr(kv_mgr, _REGISTRY_ATTR, None)
-    if reg is None:
-        with _registry_create_lock:
-            reg = getattr(kv_mgr, _REGISTRY_ATTR, None)
-            if reg is None:
-                reg = _Registry()
-                setattr(kv_mgr, _REGISTRY_ATTR, reg)
-    return reg
+    return attached(kv_mgr, _REGISTRY_ATTR, _Registry)
 
 
 def _is_prefill(kv_mgr: Any) -> bool:
