@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from unittest.mock import MagicMock, patch
 
 import pytest
+from pdsafe_testkit.pd_context import published_pd_context
 from sglang.pdsafe import metrics
 from sglang.pdsafe.placeholder_guard import STRICT_ENV
 from sglang.srt.disaggregation.decode import DecodePreallocQueue
@@ -29,22 +30,15 @@ from sglang.srt.disaggregation.utils import (
     is_unadmitted_reject,
 )
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
-from sglang.srt.runtime_context import publish, reset_context
 from sglang.srt.sampling.sampling_params import SamplingParams
-from sglang.srt.server_args import ServerArgs
 
 
 @pytest.fixture(params=["decode", "prefill"])
 def pd_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A published PD server context (no process group: tp_rank is stated)."""
     monkeypatch.delenv(STRICT_ENV, raising=False)
-    reset_context()
-    publish(ServerArgs(model_path="dummy", disaggregation_mode=request.param),
-            role="tokenizer")
-    with patch("sglang.srt.managers.schedule_batch.get_parallel",
-               return_value=SimpleNamespace(tp_rank=0)):
-        yield request.param
-    reset_context()
+    with published_pd_context(request.param) as mode:
+        yield mode
 
 
 def _req(room: int = 7) -> Req:

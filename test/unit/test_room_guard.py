@@ -27,6 +27,7 @@ from types import SimpleNamespace
 from unittest.mock import MagicMock, patch
 
 import pytest
+from pdsafe_testkit.pd_context import published_pd_context
 from sglang.pdsafe import admission, coverage, metrics, protections, room_guard
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import (
@@ -43,9 +44,7 @@ from sglang.srt.disaggregation.utils import (
 )
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
-from sglang.srt.runtime_context import publish, reset_context
 from sglang.srt.sampling.sampling_params import SamplingParams
-from sglang.srt.server_args import ServerArgs
 
 ROOM = 0x5EED_0000_0042
 
@@ -53,13 +52,8 @@ ROOM = 0x5EED_0000_0042
 @pytest.fixture(params=["prefill", "decode"])
 def side(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.delenv(room_guard.ENV_ENABLE, raising=False)
-    reset_context()
-    publish(ServerArgs(model_path="dummy", disaggregation_mode=request.param),
-            role="tokenizer")
-    with patch("sglang.srt.managers.schedule_batch.get_parallel",
-               return_value=SimpleNamespace(tp_rank=0)):
-        yield request.param
-    reset_context()
+    with published_pd_context(request.param) as mode:
+        yield mode
 
 
 def _req(rid: str, room: int = ROOM, host: str = "127.0.0.1") -> Req:
