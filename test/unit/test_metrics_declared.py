@@ -1,11 +1,11 @@
 """Every declared pdsafe metric is used, and every used one is declared (issue #7, finding 10).
 
-An operator alerts on the names in ``metrics.COUNTERS``/``HISTOGRAMS``; a declared counter that
-nothing increments is an alert that can never fire. Scans the source of ``sglang.pdsafe``:
-a metric is "used" where its name appears as a string literal outside ``metrics.py`` (passed
-to ``metrics.inc``/``observe`` directly or through a constant, as ``coverage.Verdict.counter``
-and ``hook_api.MISMATCH_COUNTER`` do), and every literal passed to ``inc``/``observe`` must be
-declared. Also: ``FAKE_BOOTSTRAP_HOST`` is defined in one place only.
+An operator alerts on the names in ``metrics.COUNTERS``/``GAUGES``/``HISTOGRAMS``; a declared
+counter that nothing increments is an alert that can never fire. Scans the source of
+``sglang.pdsafe``: a metric is "used" where its name appears as a string literal outside
+``metrics.py`` (passed to ``metrics.inc``/``observe``/``set_gauge`` directly or through a
+constant, as ``coverage.Verdict.counter`` and ``hook_api.MISMATCH_COUNTER`` do), and every
+literal passed to them must be declared. Also: ``FAKE_BOOTSTRAP_HOST`` is defined in one place only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from sglang.pdsafe import metrics
 
 PDSAFE_DIR = Path(metrics.__file__).resolve().parent
-DECLARED = {**metrics.COUNTERS, **metrics.HISTOGRAMS}
+DECLARED = {**metrics.COUNTERS, **metrics.GAUGES, **metrics.HISTOGRAMS}
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -48,7 +48,7 @@ def _metric_calls(tree: ast.Module) -> list[tuple[int, str]]:
             continue
         fn = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
         arg = n.args[0]
-        if fn in ("inc", "observe") and isinstance(arg, ast.Constant) and isinstance(
+        if fn in ("inc", "observe", "set_gauge") and isinstance(arg, ast.Constant) and isinstance(
                 arg.value, str):
             out.append((n.lineno, arg.value))
     return out
@@ -71,6 +71,8 @@ def test_every_metric_call_names_a_declared_metric():
         metrics.inc("no_such_counter_total")
     with pytest.raises(KeyError):
         metrics.observe("no_such_histogram_seconds", 1.0)
+    with pytest.raises(KeyError):
+        metrics.set_gauge("no_such_gauge", 1.0)
 
 
 def test_scan_sees_a_dead_counter():

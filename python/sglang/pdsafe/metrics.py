@@ -68,11 +68,36 @@ COUNTERS: dict[str, str] = {
         "Room-guard hooks that failed (door check, claim or release raised). A failed door "
         "check refuses the request (503, fail closed); a failed claim or release leaves the "
         "room unguarded or live until its next release.",
+    # decode-page quarantine (issue #9, item 4)
+    "quarantine_released_ack_total":
+        "Quarantined decode transfers released on a drain ACK from every prefill writer rank.",
+    "quarantine_released_peer_gone_total":
+        "Quarantined decode transfers released because the heartbeat declared their prefill "
+        "writer gone (SGLANG_PDSAFE_QUARANTINE_PEER_GONE=0 disables this evidence).",
+    "quarantine_overdue_total":
+        "Quarantined decode transfers past upstream's release timeout with neither a drain ACK "
+        "nor their prefill proven gone (alarm; the pages stay held, upstream would reuse them).",
+    "quarantine_limit_refused_total":
+        "PD requests (and health checks) a decode refused (503) because its quarantined KV "
+        "passed SGLANG_PDSAFE_QUARANTINE_LIMIT of the pool.",
+    "quarantine_failed_total":
+        "Quarantine hooks that failed (hold, release check, door); a failed release check keeps "
+        "the pages held and a failed door refuses the request (fail closed).",
+}
+GAUGES: dict[str, str] = {
+    "quarantined_tokens":
+        "KV tokens of decode pages held in quarantine (aborted or failed transfers whose "
+        "prefill writers have not acknowledged the drain nor been proven gone).",
+    "quarantined_transfers":
+        "Aborted or failed transfers whose decode pages are held in quarantine.",
 }
 HISTOGRAMS: dict[str, str] = {
     "peer_release_latency_seconds":
         "Time from a local PD rejection until the peer was told to release its reservation "
         "(the release notice left on the control channel; the peer frees on receipt).",
+    "quarantine_age_seconds":
+        "How long a decode transfer's pages stayed quarantined before terminal evidence (ACK "
+        "or peer gone) released them.",
 }
 
 _lock = threading.Lock()
@@ -89,9 +114,16 @@ def _metric(name: str) -> Any | None:
 
             if name in COUNTERS:
                 m = Counter(PREFIX + name.removesuffix("_total"), COUNTERS[name])
+            elif name in GAUGES:
+                from prometheus_client import Gauge
+
+                # One value per scheduler process; the ranks of one TP group hold the same
+                # transfers, so the exported value is the largest live one, not a sum.
+                m = Gauge(PREFIX + name, GAUGES[name], multiprocess_mode="livemax")
             else:
                 m = Histogram(PREFIX + name, HISTOGRAMS[name],
-                              buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
+                              buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300,
+                                       900, 3600))
         except Exception as e:  # registry unavailable or duplicate: count locally only
             # Counting never depends on export (value() still counts); an operator whose
             # alerts read /metrics must hear that this one is missing (once per name).
@@ -119,6 +151,17 @@ def observe(name: str, value: float) -> None:
     m = _metric(name)
     if m is not None:
         m.observe(value)
+
+
+def set_gauge(name: str, value: float) -> None:
+    """Set the gauge ``name`` (must be declared in GAUGES) to ``value``."""
+    if name not in GAUGES:
+        raise KeyError(f"undeclared pdsafe gauge {name!r}")
+    with _lock:
+        _local[name] = float(value)
+    m = _metric(name)
+    if m is not None:
+        m.set(value)
 
 
 def value(name: str) -> float:

@@ -138,6 +138,7 @@ HOOK_MODULES: tuple[str, ...] = (
     "sglang.pdsafe.limits",
     "sglang.pdsafe.pair_agreement",
     "sglang.pdsafe.room_guard",
+    "sglang.pdsafe.quarantine",
 )
 
 

@@ -1,0 +1,294 @@
+"""Decode-page quarantine (patch 0020, ``sglang.pdsafe.quarantine``): a timeout never frees.
+
+Two layers:
+
+* the state machine and the registry alone (transitions, evidence, limit, door, health text);
+* upstream's real ``DecodeTransferQueue._defer_release`` / ``resolve_deferred_releases`` /
+  ``release_memory_occupation`` and ``CommonKVManager.is_abort_release_safe`` /
+  ``note_abort_ack`` / ``_handle_node_failure``, as patched, on objects built without their heavy
+  constructors (the way upstream's own ``test_deferred_decode_kv_release.py`` builds them): the
+  pages of an aborted transfer are freed on the drain ACK or when the heartbeat declared the
+  prefill gone, and never because upstream's deadline passed.
+
+What this does not show: that a real late write lands in quarantined pages and not in another
+request's (``test/pd/test_late_write.py`` does, on content, with real servers).
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from unittest.mock import MagicMock, patch
+
+import pytest
+from sglang.pdsafe import metrics, quarantine
+from sglang.pdsafe.quarantine import Evidence, HoldState, IllegalTransition, Quarantine
+
+WRITER = "127.0.0.1:8998"
+
+
+@pytest.fixture(autouse=True)
+def _default_env(monkeypatch):
+    for var in (quarantine.ENV_ENABLE, quarantine.ENV_LIMIT, quarantine.ENV_PEER_GONE):
+        monkeypatch.delenv(var, raising=False)
+
+
+# --------------------------------------------------------------------------- state machine
+
+
+def test_transitions_are_the_written_ones():
+    q = Quarantine()
+    e = q.hold("k", room=1, rid="r", tokens=8, writer=WRITER, now=0.0, deadline=5.0)
+    assert e.state is HoldState.HELD
+    e.move(HoldState.OVERDUE)
+    with pytest.raises(IllegalTransition):
+        e.move(HoldState.HELD)  # an alarm is never undone into a plain hold
+    e.move(HoldState.RELEASED_ACK)
+    assert e.terminal
+    for to in HoldState:
+        with pytest.raises(IllegalTransition):
+            e.move(to)  # terminal: nothing leaves a released state
+
+
+def test_a_slot_is_held_once():
+    q = Quarantine()
+    q.hold(3, room=1, rid="a", tokens=4, writer=WRITER, now=0.0, deadline=1.0)
+    with pytest.raises(IllegalTransition):
+        q.hold(3, room=2, rid="b", tokens=4, writer=WRITER, now=0.0, deadline=1.0)
+
+
+def test_timeout_never_frees_it_alarms_once():
+    q = Quarantine()
+    q.hold("k", room=9, rid="victim", tokens=16, writer=WRITER, now=0.0, deadline=30.0)
+    before = metrics.value("quarantine_overdue_total")
+    for now in (29.9, 30.0, 31.0, 3600.0, 10**9):
+        assert q.evidence("k", drained=False, now=now) is None
+    assert metrics.value("quarantine_overdue_total") == before + 1
+    (entry,) = q.entries()
+    assert entry.state is HoldState.OVERDUE and q.tokens_held() == 16
+
+
+def test_ack_releases_and_counts():
+    q = Quarantine()
+    q.hold("k", room=9, rid="v", tokens=16, writer=WRITER, now=0.0, deadline=30.0)
+    acks = metrics.value("quarantine_released_ack_total")
+    assert q.evidence("k", drained=True, now=1.0) is Evidence.ACK
+    q.release("k", Evidence.ACK, 1.0)
+    assert metrics.value("quarantine_released_ack_total") == acks + 1
+    assert q.tokens_held() == 0 and not q.entries()
+    assert metrics.value("quarantined_tokens") == 0
+
+
+def test_peer_gone_only_counts_after_the_hold_began_and_for_that_writer():
+    q = Quarantine()
+    q.peer_gone(WRITER, 5.0)  # an earlier death of this prefill proves nothing about later
+    q.hold("k", room=9, rid="v", tokens=16, writer=WRITER, now=10.0, deadline=40.0)
+    q.hold("other", room=10, rid="w", tokens=16, writer="127.0.0.1:9000", now=10.0,
+           deadline=40.0)
+    assert q.evidence("k", drained=False, now=11.0) is None
+    q.peer_gone(WRITER, 12.0)
+    assert q.evidence("k", drained=False, now=12.5) is Evidence.PEER_GONE
+    assert q.evidence("other", drained=False, now=12.5) is None  # another writer, still live
+
+
+def test_peer_gone_is_no_evidence_when_the_operator_says_so(monkeypatch):
+    monkeypatch.setenv(quarantine.ENV_PEER_GONE, "0")
+    q = Quarantine()
+    q.hold("k", room=9, rid="v", tokens=16, writer=WRITER, now=10.0, deadline=40.0)
+    q.peer_gone(WRITER, 12.0)
+    assert q.evidence("k", drained=False, now=100.0) is None
+    assert q.evidence("k", drained=True, now=100.0) is Evidence.ACK
+
+
+def test_unknown_writer_needs_an_ack():
+    q = Quarantine()
+    q.hold("k", room=9, rid="v", tokens=16, writer="", now=10.0, deadline=40.0)
+    q.peer_gone("", 12.0)
+    assert q.evidence("k", drained=False, now=100.0) is None
+
+
+def test_limit_door_and_health_text():
+    kv_mgr = SimpleNamespace()
+    queue = SimpleNamespace(kv_manager=kv_mgr, token_to_kv_pool_allocator=SimpleNamespace(size=100))
+    assert quarantine.door(queue) is None  # nothing ever held: not even the pool is read
+    q = quarantine.of(kv_mgr)
+    assert quarantine.door(queue) is None
+    q.hold(1, room=1, rid="a", tokens=25, writer=WRITER, now=0.0, deadline=1.0)
+    assert quarantine.door(queue) is None  # 25 % is not over 25 %
+    q.hold(2, room=2, rid="b", tokens=1, writer=WRITER, now=0.0, deadline=1.0)
+    refused = metrics.value("quarantine_limit_refused_total")
+    r = quarantine.door(queue)
+    assert r is not None and r.status == 503
+    assert "26 of 100 KV tokens" in r.message and WRITER in r.message
+    assert metrics.value("quarantine_limit_refused_total") == refused + 1
+    assert quarantine.door(queue, reentry=True) is None  # a retraction owns its place
+    report = quarantine.health_report(kv_mgr, 100)
+    assert report["over_limit"] and report["reason"] == r.message
+    assert quarantine.health_refusal([ValueError("x"), SimpleNamespace(detail=r.message)]) \
+        == r.message
+    assert quarantine.health_refusal([ValueError("another 503")]) is None
+    q.release(2, Evidence.ACK, 1.0)  # evidence arrives: admission recovers by itself
+    assert quarantine.door(queue) is None
+
+
+def test_limit_env_is_validated(monkeypatch):
+    monkeypatch.setenv(quarantine.ENV_LIMIT, "0.5")
+    assert quarantine.limit_fraction() == 0.5
+    for bad in ("0", "1.5", "half"):
+        monkeypatch.setenv(quarantine.ENV_LIMIT, bad)
+        with pytest.raises(ValueError, match=quarantine.ENV_LIMIT):
+            quarantine.limit_fraction()
+
+
+def test_deferred_release_is_required(monkeypatch):
+    assert quarantine.require_deferred_release(True) is True
+    with pytest.raises(RuntimeError, match=quarantine.UPSTREAM_DEFERRED_ENV):
+        quarantine.require_deferred_release(False)
+    monkeypatch.setenv(quarantine.ENV_ENABLE, "0")
+    assert quarantine.require_deferred_release(False) is False
+
+
+def test_a_failing_check_keeps_the_pages(monkeypatch):
+    kv_mgr = SimpleNamespace()
+    quarantine.of(kv_mgr).hold(1, room=1, rid="a", tokens=4, writer=WRITER, now=0.0,
+                               deadline=1.0)
+    monkeypatch.setattr(Quarantine, "evidence", MagicMock(side_effect=RuntimeError("boom")))
+    failed = metrics.value("quarantine_failed_total")
+    assert quarantine.ready(kv_mgr, 1, drained=False, now=99.0, deadline=1.0) is False
+    assert metrics.value("quarantine_failed_total") == failed + 1
+
+
+# --------------------------------------------------------------------------- real upstream code
+
+
+class _IdxAllocator:
+    def __init__(self) -> None:
+        self.freed: list[int] = []
+
+    def free(self, idx: int) -> None:
+        self.freed.append(idx)
+
+
+def _manager():
+    """A decode ``CommonKVManager`` carrying the state its deferred-ack and node-failure
+    methods use (its constructor starts threads and a transfer engine)."""
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    mgr = CommonKVManager.__new__(CommonKVManager)
+    mgr._deferred_abort_ack_tracker = {}
+    mgr._deferred_abort_generation = 0
+    mgr.enable_deferred_decode_kv_release = True
+    mgr.connection_lock = threading.Lock()
+    mgr.connection_pool = {}
+    mgr.prefill_info_table = {WRITER: object()}
+    mgr.heartbeat_failures = {WRITER: 3}
+    mgr.addr_to_rooms_tracker = {}
+    mgr.request_status = {}
+    return mgr
+
+
+def _queue(timeout: float):
+    from sglang.srt.disaggregation.decode import DecodeTransferQueue
+
+    q = DecodeTransferQueue.__new__(DecodeTransferQueue)
+    q._deferred_releases = []
+    q.deferred_kv_release_timeout = timeout
+    q.enable_host_receive = False
+    q.enable_staging = False
+    q.staging_handler = None
+    q.tree_cache = object()
+    q.metadata_buffers = SimpleNamespace(clear_slot=lambda idx: None)
+    q.req_to_metadata_buffer_idx_allocator = _IdxAllocator()
+    q.gloo_group = None
+    q.scheduler = SimpleNamespace(
+        enable_hisparse=False,
+        metrics_reporter=SimpleNamespace(enable_metrics=True),
+        metrics_collector=SimpleNamespace(observe_decode_deferred_kv_release=MagicMock()))
+    return q
+
+
+def _decode_req(mgr, room: int, idx: int, tokens: int = 32):
+    receiver = SimpleNamespace(kv_mgr=mgr, bootstrap_addr=WRITER, bootstrap_infos=[{"rank": 0}],
+                               abort_notified=True, clear=lambda: None)
+    req = SimpleNamespace(bootstrap_room=room, rid=f"rid-{room}",
+                          kv=SimpleNamespace(kv_allocated_len=tokens))
+    return SimpleNamespace(req=req, kv_receiver=receiver, metadata_buffer_index=idx)
+
+
+def _run(q, clock: list[float]):
+    """One scheduler-loop pass of the patched resolve_deferred_releases at time clock[0]."""
+    import sglang.srt.disaggregation.decode as decode_mod
+
+    with patch.object(decode_mod.time, "monotonic", side_effect=lambda: clock[0]), \
+            patch.object(decode_mod, "release_kv_cache") as rel, \
+            patch.object(decode_mod, "all_reduce_flags", side_effect=lambda flags, **_: flags):
+        q.resolve_deferred_releases()
+    return rel
+
+
+def _defer(q, dreq, clock):
+    import sglang.srt.disaggregation.decode as decode_mod
+
+    with patch.object(decode_mod.time, "monotonic", side_effect=lambda: clock[0]):
+        q._defer_release(dreq)
+
+
+def test_upstream_deadline_no_longer_frees_then_the_ack_does():
+    mgr, q, clock = _manager(), _queue(timeout=2.0), [100.0]
+    dreq = _decode_req(mgr, room=300, idx=3)
+    gen = mgr.register_deferred_abort_room(300)
+    _defer(q, dreq, clock)
+    assert quarantine.of(mgr).tokens_held() == 32
+    overdue = metrics.value("quarantine_overdue_total")
+    for t in (101.0, 102.5, 1000.0):  # well past upstream's 2 s: upstream frees here
+        clock[0] = t
+        assert not _run(q, clock).called, f"pages freed at t={t} without an ACK"
+    assert metrics.value("quarantine_overdue_total") == overdue + 1
+    assert q.num_pending_deferred_releases() == 1
+    mgr.note_abort_ack(300, 0, gen + 1)  # an ACK for another generation is no evidence
+    assert not _run(q, clock).called
+    mgr.note_abort_ack(300, 0, gen)
+    acks = metrics.value("quarantine_released_ack_total")
+    rel = _run(q, clock)
+    rel.assert_called_once_with(dreq.req, q.tree_cache, checkpoint=False)
+    assert q.req_to_metadata_buffer_idx_allocator.freed == [3]
+    assert metrics.value("quarantine_released_ack_total") == acks + 1
+    assert quarantine.of(mgr).tokens_held() == 0
+    q.scheduler.metrics_collector.observe_decode_deferred_kv_release.assert_called_once_with(
+        duration_seconds=900.0, outcome="drained")
+
+
+def test_heartbeat_declaring_the_prefill_gone_releases():
+    mgr, q, clock = _manager(), _queue(timeout=2.0), [100.0]
+    dreq = _decode_req(mgr, room=301, idx=4)
+    mgr.register_deferred_abort_room(301)
+    _defer(q, dreq, clock)
+    clock[0] = 200.0
+    assert not _run(q, clock).called
+    with patch("sglang.srt.disaggregation.common.conn.CommonKVReceiver.disconnect_endpoint"):
+        mgr._handle_node_failure(WRITER)  # upstream's heartbeat verdict, as patched
+    gone = metrics.value("quarantine_released_peer_gone_total")
+    rel = _run(q, clock)
+    rel.assert_called_once()
+    assert metrics.value("quarantine_released_peer_gone_total") == gone + 1
+    q.scheduler.metrics_collector.observe_decode_deferred_kv_release.assert_called_once_with(
+        duration_seconds=100.0, outcome="peer_gone")
+
+
+def test_off_switch_restores_upstream_timeout(monkeypatch):
+    monkeypatch.setenv(quarantine.ENV_ENABLE, "0")
+    mgr, q, clock = _manager(), _queue(timeout=2.0), [100.0]
+    dreq = _decode_req(mgr, room=302, idx=5)
+    mgr.register_deferred_abort_room(302)
+    _defer(q, dreq, clock)
+    clock[0] = 103.0
+    assert _run(q, clock).called  # upstream's fail-open release, explicitly chosen
+
+
+def test_pool_teardown_drops_the_holds():
+    mgr, q, clock = _manager(), _queue(timeout=2.0), [100.0]
+    mgr.register_deferred_abort_room(303)
+    _defer(q, _decode_req(mgr, room=303, idx=6), clock)
+    q.queue = []
+    q.release_memory_occupation()
+    assert quarantine.of(mgr).tokens_held() == 0 and q.num_pending_deferred_releases() == 0
