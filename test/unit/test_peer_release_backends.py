@@ -13,38 +13,13 @@ from typing import Any
 import pytest
 
 
-def _stub_mori() -> dict[str, Any]:
-    """Import stand-ins for the ``mori`` package (ROCm/RDMA only), enough to import its conn."""
-    import sys
-    import types
-    from unittest import mock
-
-    saved = {k: sys.modules.get(k) for k in ("mori", "mori.cpp", "mori.io")}
-    root = types.ModuleType("mori")
-    for sub in ("cpp", "io"):
-        m = mock.MagicMock(name=f"mori.{sub}")
-        setattr(root, sub, m)
-        sys.modules[f"mori.{sub}"] = m
-    sys.modules["mori"] = root
-    return saved
-
-
 def _backend_managers() -> dict[str, type]:
-    import sys
-
+    from pdsafe_testkit.backends import import_mori_manager
     from sglang.srt.disaggregation.ascend.conn import AscendKVManager
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
-    saved = _stub_mori()
-    try:
-        from sglang.srt.disaggregation.mori.conn import MoriKVManager
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
+    MoriKVManager = import_mori_manager()
     return {"mooncake": MooncakeKVManager, "nixl": NixlKVManager, "mori": MoriKVManager,
             "ascend": AscendKVManager}
 

@@ -83,6 +83,9 @@ COUNTERS: dict[str, str] = {
     "quarantine_failed_total":
         "Quarantine hooks that failed (hold, release check, door); a failed release check keeps "
         "the pages held and a failed door refuses the request (fail closed).",
+    "writes_discarded_total":
+        "KV chunks a prefill transfer worker dropped before posting them because their room "
+        "had failed, been aborted or been cleared (writers stop before writing).",
 }
 GAUGES: dict[str, str] = {
     "quarantined_tokens":

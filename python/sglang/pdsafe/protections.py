@@ -139,6 +139,7 @@ HOOK_MODULES: tuple[str, ...] = (
     "sglang.pdsafe.pair_agreement",
     "sglang.pdsafe.room_guard",
     "sglang.pdsafe.quarantine",
+    "sglang.pdsafe.write_fence",
 )
 
 

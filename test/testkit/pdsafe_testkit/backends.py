@@ -7,3 +7,30 @@ tuple, and ``KVPair`` refuses any other backend.
 from __future__ import annotations
 
 BACKENDS: tuple[str, ...] = ("mooncake", "nixl")
+
+
+def import_mori_manager() -> type:
+    """``MoriKVManager``, imported with stand-ins for the ``mori`` package (ROCm/RDMA only, not
+    installable here): enough to run its pure-Python control and status paths in unit tests.
+    The stand-ins are removed again afterwards; the imported module keeps its references."""
+    import sys
+    import types
+    from unittest import mock
+
+    names = ("mori", "mori.cpp", "mori.io")
+    saved = {k: sys.modules.get(k) for k in names}
+    root = types.ModuleType("mori")
+    for sub in ("cpp", "io"):
+        m = mock.MagicMock(name=f"mori.{sub}")
+        setattr(root, sub, m)
+        sys.modules[f"mori.{sub}"] = m
+    sys.modules["mori"] = root
+    try:
+        from sglang.srt.disaggregation.mori.conn import MoriKVManager
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    return MoriKVManager
