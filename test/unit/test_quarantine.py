@@ -17,6 +17,7 @@ request's (``test/pd/test_late_write.py`` does, on content, with real servers).
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 from unittest.mock import MagicMock, patch
 
@@ -79,14 +80,16 @@ def test_ack_releases_and_counts():
     assert metrics.value("quarantined_tokens") == 0
 
 
-def test_peer_gone_only_counts_after_the_hold_began_and_for_that_writer():
+def test_peer_gone_counts_after_the_writer_got_the_destinations_and_for_that_writer():
     q = Quarantine()
     q.peer_gone(WRITER, 5.0)  # an earlier death of this prefill proves nothing about later
-    q.hold("k", room=9, rid="v", tokens=16, writer=WRITER, now=10.0, deadline=40.0)
+    q.hold("k", room=9, rid="v", tokens=16, writer=WRITER, now=10.0, deadline=40.0,
+           writer_since=8.0)
     q.hold("other", room=10, rid="w", tokens=16, writer="127.0.0.1:9000", now=10.0,
-           deadline=40.0)
+           deadline=40.0, writer_since=8.0)
     assert q.evidence("k", drained=False, now=11.0) is None
-    q.peer_gone(WRITER, 12.0)
+    q.peer_gone(WRITER, 9.0)  # declared gone before the hold began (the usual order: the
+    # heartbeat failure is what fails the transfer), but after the writer got the pages
     assert q.evidence("k", drained=False, now=12.5) is Evidence.PEER_GONE
     assert q.evidence("other", drained=False, now=12.5) is None  # another writer, still live
 
@@ -94,7 +97,8 @@ def test_peer_gone_only_counts_after_the_hold_began_and_for_that_writer():
 def test_peer_gone_is_no_evidence_when_the_operator_says_so(monkeypatch):
     monkeypatch.setenv(quarantine.ENV_PEER_GONE, "0")
     q = Quarantine()
-    q.hold("k", room=9, rid="v", tokens=16, writer=WRITER, now=10.0, deadline=40.0)
+    q.hold("k", room=9, rid="v", tokens=16, writer=WRITER, now=10.0, deadline=40.0,
+           writer_since=10.0)
     q.peer_gone(WRITER, 12.0)
     assert q.evidence("k", drained=False, now=100.0) is None
     assert q.evidence("k", drained=True, now=100.0) is Evidence.ACK
@@ -209,7 +213,8 @@ def _queue(timeout: float):
 
 def _decode_req(mgr, room: int, idx: int, tokens: int = 32):
     receiver = SimpleNamespace(kv_mgr=mgr, bootstrap_addr=WRITER, bootstrap_infos=[{"rank": 0}],
-                               abort_notified=True, clear=lambda: None)
+                               abort_notified=True, clear=lambda: None,
+                               init_time=time.time() - 1.0)
     req = SimpleNamespace(bootstrap_room=room, rid=f"rid-{room}",
                           kv=SimpleNamespace(kv_allocated_len=tokens))
     return SimpleNamespace(req=req, kv_receiver=receiver, metadata_buffer_index=idx)
@@ -273,6 +278,30 @@ def test_heartbeat_declaring_the_prefill_gone_releases():
     assert metrics.value("quarantine_released_peer_gone_total") == gone + 1
     q.scheduler.metrics_collector.observe_decode_deferred_kv_release.assert_called_once_with(
         duration_seconds=100.0, outcome="peer_gone")
+
+
+def test_heartbeat_failure_before_the_hold_still_releases():
+    """The SIGKILL order: the heartbeat declares the prefill gone, that fails the transfer, and
+    only then is the hold taken."""
+    mgr, q, clock = _manager(), _queue(timeout=2.0), [100.0]
+    dreq = _decode_req(mgr, room=304, idx=8)
+    with patch("sglang.srt.disaggregation.common.conn.CommonKVReceiver.disconnect_endpoint"):
+        mgr._handle_node_failure(WRITER)
+    mgr.register_deferred_abort_room(304)
+    _defer(q, dreq, clock)
+    assert _run(q, clock).called
+
+
+def test_a_writer_that_got_the_pages_after_it_was_declared_gone_is_live():
+    mgr, q, clock = _manager(), _queue(timeout=2.0), [100.0]
+    with patch("sglang.srt.disaggregation.common.conn.CommonKVReceiver.disconnect_endpoint"):
+        mgr._handle_node_failure(WRITER)  # the old process died; a new one came up since
+    dreq = _decode_req(mgr, room=305, idx=9)
+    dreq.kv_receiver.init_time = time.time() + 1.0
+    mgr.register_deferred_abort_room(305)
+    _defer(q, dreq, clock)
+    clock[0] = 1000.0
+    assert not _run(q, clock).called
 
 
 def test_off_switch_restores_upstream_timeout(monkeypatch):

@@ -29,9 +29,12 @@ are terminal.
   transfer worker has nothing queued or in flight for the room.
 * *Peer gone*: the decode's heartbeat checker declared the writer's bootstrap server dead
   (upstream's ``_handle_node_failure``, after ``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE``
-  missed heartbeats) *after* the hold began. What it proves and what it does not: a prefill
-  process that exited can no longer post writes (on TCP its connections are closed; on RDMA
-  the kernel destroys its queue pairs at exit, which flushes them). A prefill that is alive
+  missed heartbeats) *after* this transfer's destinations were sent to it (the receiver's
+  ``init_time``; a prefill restarted since then is another process that never had them; an
+  earlier death proves nothing about a later process). Usually the heartbeat fails first and
+  the hold follows (the failure is what aborts the transfer). What it proves and what it does
+  not: a prefill process that exited can no longer post writes (on TCP its connections are
+  closed; on RDMA the kernel destroys its queue pairs at exit, which flushes them). A prefill that is alive
   but unreachable for that long (a partition, a stalled process) is taken for gone too; that
   is the one assumption this evidence rests on, and ``SGLANG_PDSAFE_QUARANTINE_PEER_GONE=0``
   removes it (then only an ACK, or a restart of this decode, ends a quarantine).
@@ -165,6 +168,7 @@ class HeldTransfer:
     writer: str  # the prefill's bootstrap address ("" when unknown: only an ACK can release)
     held_since: float
     deadline: float
+    writer_since: float = 0.0  # wall clock: when the writer got this transfer's destinations
     state: HoldState = HoldState.HELD
 
     def move(self, to: HoldState) -> None:
@@ -193,9 +197,13 @@ class Quarantine:
 
     # -- holding
     def hold(self, key: Any, *, room: int, rid: str, tokens: int, writer: str, now: float,
-             deadline: float) -> HeldTransfer:
+             deadline: float, writer_since: float | None = None) -> HeldTransfer:
+        """Hold ``key``'s pages. ``now``/``deadline`` are monotonic; ``writer_since`` is the
+        wall-clock time the writer got the destinations (default: now, wall clock)."""
         entry = HeldTransfer(room=int(room), rid=str(rid), tokens=max(int(tokens), 0),
-                             writer=str(writer or ""), held_since=now, deadline=deadline)
+                             writer=str(writer or ""), held_since=now, deadline=deadline,
+                             writer_since=time.time() if writer_since is None
+                             else float(writer_since))
         with self._lock:
             if key in self._held:
                 raise IllegalTransition(f"quarantine key {key!r} is already held (room "
@@ -205,7 +213,8 @@ class Quarantine:
         return entry
 
     def peer_gone(self, writer: str, now: float) -> None:
-        """The writer at ``writer`` (a bootstrap address) was declared dead at ``now``."""
+        """The writer at ``writer`` (a bootstrap address) was declared dead at ``now`` (wall
+        clock, comparable with ``writer_since``)."""
         with self._lock:
             self._gone[str(writer)] = now
 
@@ -219,7 +228,7 @@ class Quarantine:
             if drained:
                 return Evidence.ACK
             gone_at = self._gone.get(entry.writer) if entry.writer else None
-            if gone_at is not None and gone_at >= entry.held_since and peer_gone_is_evidence():
+            if gone_at is not None and gone_at >= entry.writer_since and peer_gone_is_evidence():
                 return Evidence.PEER_GONE
             overdue = entry.state is HoldState.HELD and now >= entry.deadline
             if overdue:
@@ -324,12 +333,13 @@ def require_deferred_release(upstream_enabled: bool) -> bool:
 
 @guarded("quarantine.hold", FAILED, default=None)
 def hold(kv_mgr: Any, key: Any, *, room: int, rid: str, tokens: int, writer: str,
-         now: float, deadline: float) -> None:
-    """``DecodeTransferQueue._defer_release``: the pages of a failed transfer are held."""
+         now: float, deadline: float, writer_since: float | None) -> None:
+    """``DecodeTransferQueue._defer_release``: the pages of a failed transfer are held.
+    ``writer_since``: the receiver's ``init_time`` (wall clock; None: never sent)."""
     if not enabled():
         return
     of(kv_mgr).hold(key, room=room, rid=rid, tokens=tokens, writer=writer, now=now,
-                    deadline=deadline)
+                    deadline=deadline, writer_since=writer_since)
 
 
 @guarded("quarantine.ready", FAILED, default=False)
@@ -363,7 +373,7 @@ def released(kv_mgr: Any, key: Any, *, drained: bool, now: float) -> None:
 def peer_gone(kv_mgr: Any, bootstrap_addr: str) -> None:
     """``CommonKVManager._handle_node_failure``: the prefill at ``bootstrap_addr`` is gone."""
     if enabled():
-        of(kv_mgr).peer_gone(bootstrap_addr, time.monotonic())
+        of(kv_mgr).peer_gone(bootstrap_addr, time.time())
         logger.warning("pdsafe quarantine: prefill %s declared gone by the heartbeat; pages "
                        "quarantined for its aborted transfers are released.", bootstrap_addr)
 
