@@ -34,10 +34,10 @@ are terminal.
   earlier death proves nothing about a later process). Usually the heartbeat fails first and
   the hold follows (the failure is what aborts the transfer). What it proves and what it does
   not: a prefill process that exited can no longer post writes (on TCP its connections are
-  closed; on RDMA the kernel destroys its queue pairs at exit, which flushes them). A prefill that is alive
-  but unreachable for that long (a partition, a stalled process) is taken for gone too; that
-  is the one assumption this evidence rests on, and ``SGLANG_PDSAFE_QUARANTINE_PEER_GONE=0``
-  removes it (then only an ACK, or a restart of this decode, ends a quarantine).
+  closed; on RDMA the kernel destroys its queue pairs at exit, which flushes them). A prefill
+  that is alive but unreachable for that long (a partition, a stalled process) is taken for
+  gone too; that is the one assumption this evidence rests on, and
+  ``SGLANG_PDSAFE_QUARANTINE_PEER_GONE=0`` removes it (then only an ACK, or a restart of this decode, ends a quarantine).
 
 **Quarantine limit.** When the held tokens exceed ``SGLANG_PDSAFE_QUARANTINE_LIMIT`` (a
 fraction of the decode's KV pool, default 0.25), the decode refuses new PD requests (503, the

@@ -7,12 +7,16 @@ entry point ``pdsafe_test_faults`` in the group ``sglang.srt.plugins``. ``SGLANG
 set, is sglang's whitelist: the plugin then loads only if that list names ``pdsafe_test_faults``.
 
 Armed only by the environment variable ``SGLANG_PDSAFE_TEST_FAULTS`` (never by a request or a
-server flag). Unarmed, :func:`register` installs nothing. Armed, it registers a ``BEFORE`` hook
-(``sglang.srt.plugins.hook_registry.HookRegistry``) on the product's decode commit gate,
+server flag); the value is comma-separated ``name[:arg]`` items, each one fault. Unarmed,
+:func:`register` installs nothing. Armed, it registers the named faults' hooks with
+``sglang.srt.plugins.hook_registry.HookRegistry``. Even armed, a fault only touches requests
+whose rid (``foreign_kv``) or bootstrap room (``late_write``) is reserved for it, so an armed
+test server still serves every other request normally.
+
+``foreign_kv`` hooks (``BEFORE``) the product's decode commit gate,
 ``sglang.pdsafe.commit_gate.admit_commit(transfer_queue, decode_req)``, so the fault acts right
 before the coverage check; the patched scheduler calls the gate through the module attribute,
-so it sees the hooked function. Even armed, the fault only touches requests whose rid carries
-one of the prefixes below, so an armed test server still serves every other request normally.
+so it sees the hooked function.
 
 ``SGLANG_PDSAFE_TEST_FAULTS=foreign_kv:N`` (N defaults to 16)
     At decode commit, a request whose rid starts with ``pdsafe-fault-source-`` has the KV of
@@ -21,15 +25,36 @@ one of the prefixes below, so an armed test server still serves every other requ
     before it decodes: exactly the effect of a transfer that left N positions holding another
     request's KV.
 
+``SGLANG_PDSAFE_TEST_FAULTS=late_write:SECONDS`` (a prefill-side fault)
+    The prefill transfer worker's KV write (Mooncake ``MooncakeKVManager.send_kvcache`` /
+    ``send_kvcache_slice``, NIXL ``NixlKVManager.send_kvcache`` / ``send_kvcache_slice`` /
+    ``send_kvcache_mixed``: each called after the worker's "room failed or aborted" check, so a
+    held write is already past that check) gets an ``AROUND`` hook. A chunk whose bootstrap
+    room lies in ``[LATE_ROOM_BASE, LATE_ROOM_BASE + ROOM_RANGE_WIDTH)`` is held SECONDS before
+    the original write runs, with a WARNING before and after: exactly a slow transfer that is
+    still writing decode's pages after decode aborted the request (the worker's drain
+    accounting counts the held chunk, so the prefill's ABORT_ACK follows the write). A chunk
+    whose room lies in ``[TRACE_ROOM_BASE, TRACE_ROOM_BASE + ROOM_RANGE_WIDTH)`` is written
+    at once; only its destination pages are logged (tests check page reuse with them). Every
+    other room is untouched. The room is the ``kv_chunk`` the calling ``transfer_worker``
+    frame is processing (the write functions do not take it as an argument).
+
 Only public sglang API is used: the scheduler's ``req_to_token_pool.req_to_token`` table, the
 KV pool's ``get_key_buffer``/``get_value_buffer``/``start_layer``/``layer_num``, and the
-``HookRegistry`` of the plugin framework.
+``HookRegistry`` of the plugin framework; ``late_write`` also reads the calling
+``transfer_worker`` frame's ``kv_chunk`` (its room) and the manager's ``request_status`` (logged).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import math
 import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +67,50 @@ INJECT_PREFIX = "pdsafe-fault-inject-"
 #: The product's decode commit gate (stable name and signature; see commit_gate.py).
 TARGET = "sglang.pdsafe.commit_gate.admit_commit"
 DEFAULT_FOREIGN_KV = 16
+#: Fault names ``SGLANG_PDSAFE_TEST_FAULTS`` may name (anything else is refused).
+KNOWN_FAULTS = ("foreign_kv", "late_write")
+
+#: Bootstrap rooms whose KV writes ``late_write`` holds back (tests pick rooms from here).
+LATE_ROOM_BASE = 0x1A7E << 48
+#: Bootstrap rooms whose KV writes ``late_write`` only logs (destination pages), never delays.
+TRACE_ROOM_BASE = LATE_ROOM_BASE + (1 << 20)
+#: Width of each reserved room range.
+ROOM_RANGE_WIDTH = 1 << 20
+#: The prefill transfer worker's KV write functions ``late_write`` hooks, per backend: each is
+#: called by ``transfer_worker`` after its "room failed or aborted" check.
+LATE_WRITE_TARGETS = {
+    "mooncake": tuple(
+        f"sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.{fn}"
+        for fn in ("send_kvcache", "send_kvcache_slice")
+    ),
+    "nixl": tuple(
+        f"sglang.srt.disaggregation.nixl.conn.NixlKVManager.{fn}"
+        for fn in ("send_kvcache", "send_kvcache_slice", "send_kvcache_mixed")
+    ),
+}
+#: Log line of a held write (``held``), of its late landing (``writing``, ``done``) and of a
+#: traced write (``traced``); :func:`parse_late_write_log` reads them back.
+LATE_WRITE_LOG = "TEST FAULT late_write"
+
+
+def parse_spec(spec: str) -> dict[str, str]:
+    """``SGLANG_PDSAFE_TEST_FAULTS``'s comma-separated ``name[:arg]`` items as ``{name: arg}``.
+
+    An unknown name or a name given twice raises ``ValueError`` (an armed test must not
+    silently run unarmed, nor with a fault it did not ask for). Empty items are ignored.
+    """
+    out: dict[str, str] = {}
+    for item in spec.split(","):
+        name, _, arg = item.strip().partition(":")
+        name = name.strip()
+        if not name:
+            continue
+        if name not in KNOWN_FAULTS:
+            raise ValueError(f"{ENV}: unknown test fault {name!r} (known: {KNOWN_FAULTS})")
+        if name in out:
+            raise ValueError(f"{ENV}: test fault {name!r} named twice")
+        out[name] = arg.strip()
+    return out
 
 
 def parse_foreign_kv(spec: str) -> int:
@@ -50,14 +119,33 @@ def parse_foreign_kv(spec: str) -> int:
     ``spec`` is the value of ``SGLANG_PDSAFE_TEST_FAULTS``: comma-separated ``name[:arg]`` items.
     A malformed count raises ``ValueError`` (an armed test must not silently run unarmed).
     """
-    for item in spec.split(","):
-        name, _, arg = item.strip().partition(":")
-        if name == "foreign_kv":
-            n = int(arg or DEFAULT_FOREIGN_KV)
-            if n <= 0:
-                raise ValueError(f"{ENV}: foreign_kv needs a positive count, got {arg!r}")
-            return n
-    return 0
+    faults = parse_spec(spec)
+    if "foreign_kv" not in faults:
+        return 0
+    arg = faults["foreign_kv"]
+    n = int(arg or DEFAULT_FOREIGN_KV)
+    if n <= 0:
+        raise ValueError(f"{ENV}: foreign_kv needs a positive count, got {arg!r}")
+    return n
+
+
+def parse_late_write(spec: str) -> float:
+    """Seconds the ``late_write`` fault holds a write in ``spec`` (0.0: not armed).
+
+    The seconds are required, finite and positive; anything else raises ``ValueError``.
+    """
+    faults = parse_spec(spec)
+    if "late_write" not in faults:
+        return 0.0
+    arg = faults["late_write"]
+    try:
+        seconds = float(arg)
+    except ValueError:
+        raise ValueError(f"{ENV}: late_write needs seconds, e.g. late_write:6, got {arg!r}") \
+            from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{ENV}: late_write needs a positive finite delay, got {arg!r}")
+    return seconds
 
 
 @dataclass
@@ -111,31 +199,199 @@ def _layers(pool: Any) -> range:
     return range(start, start + pool.layer_num)
 
 
-#: The armed fault of this process (None until :func:`register` armed one).
+def late_room(i: int) -> int:
+    """The ``i``-th bootstrap room whose KV writes ``late_write`` holds back."""
+    if not 0 <= i < ROOM_RANGE_WIDTH:
+        raise ValueError(f"late room index {i} outside 0..{ROOM_RANGE_WIDTH - 1}")
+    return LATE_ROOM_BASE + i
+
+
+def traced_room(i: int) -> int:
+    """The ``i``-th bootstrap room whose KV writes ``late_write`` logs but never delays."""
+    if not 0 <= i < ROOM_RANGE_WIDTH:
+        raise ValueError(f"traced room index {i} outside 0..{ROOM_RANGE_WIDTH - 1}")
+    return TRACE_ROOM_BASE + i
+
+
+def is_late_room(room: object) -> bool:
+    """Whether ``late_write`` holds back the KV writes of bootstrap room ``room``."""
+    return isinstance(room, int) and LATE_ROOM_BASE <= room < LATE_ROOM_BASE + ROOM_RANGE_WIDTH
+
+
+def is_traced_room(room: object) -> bool:
+    """Whether ``late_write`` logs (without delay) the KV writes of bootstrap room ``room``."""
+    return isinstance(room, int) and TRACE_ROOM_BASE <= room < TRACE_ROOM_BASE + ROOM_RANGE_WIDTH
+
+
+def page_runs(indices: Iterable[int]) -> str:
+    """Decode page ids as sorted ``a-b`` runs, e.g. ``"1-40,52-60"`` (``""`` for none)."""
+    ids = sorted({int(i) for i in indices})
+    runs: list[str] = []
+    start = prev = None
+    for i in ids:
+        if prev is not None and i == prev + 1:
+            prev = i
+            continue
+        if start is not None:
+            runs.append(f"{start}-{prev}")
+        start = prev = i
+    if start is not None:
+        runs.append(f"{start}-{prev}")
+    return ",".join(runs)
+
+
+def parse_page_runs(text: str) -> set[int]:
+    """Inverse of :func:`page_runs`."""
+    out: set[int] = set()
+    for run in filter(None, text.split(",")):
+        a, _, b = run.partition("-")
+        out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
+_LOG_RE = re.compile(
+    LATE_WRITE_LOG + r" (?P<event>held|writing|done|traced): room (?P<room>\d+),"
+    r" decode pages \[(?P<pages>[0-9,\-]*)\], status (?P<status>\w+), at (?P<t>[0-9.]+)"
+)
+
+
+@dataclass(frozen=True)
+class LateWriteEvent:
+    """One ``late_write`` log line: what happened to which room's write, into which pages."""
+
+    event: str  # held | writing | done | traced
+    room: int
+    pages: frozenset[int]
+    status: str  # the room's KVPoll status on the prefill when the line was logged
+    at: float  # wall-clock time (time.time()) of the line
+
+
+def parse_late_write_log(text: str) -> list[LateWriteEvent]:
+    """Every ``late_write`` event in a server log, in log order."""
+    return [
+        LateWriteEvent(m["event"], int(m["room"]), frozenset(parse_page_runs(m["pages"])),
+                       m["status"], float(m["t"]))
+        for m in _LOG_RE.finditer(text)
+    ]
+
+
+def _worker_room() -> int | None:
+    """Bootstrap room of the chunk the calling ``transfer_worker`` frame is writing (or None)."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "transfer_worker":
+            chunk = frame.f_locals.get("kv_chunk")
+            room = getattr(chunk, "room", None)
+            return room if isinstance(room, int) else None
+        frame = frame.f_back
+    return None
+
+
+#: sglang's ``KVPoll`` values (plain ints upstream) by name, for the log.
+_KVPOLL_NAMES = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring",
+                 4: "Success"}
+
+
+def _status_name(manager: Any, room: int) -> str:
+    """The room's ``KVPoll`` status on this manager by name; ``cleared`` once the prefill
+    dropped the room (its sender was cleared, e.g. after an abort)."""
+    status = getattr(manager, "request_status", {}).get(room)
+    if status is None:
+        return "cleared"
+    return _KVPOLL_NAMES.get(int(status), str(status))
+
+
+@dataclass
+class LateWrite:
+    """The armed ``late_write`` fault: hold each KV write of a late room ``seconds`` long.
+
+    Invariant: only chunks whose room :func:`is_late_room` are delayed; chunks of traced
+    rooms are written at once and only logged; every other write passes untouched.
+    """
+
+    seconds: float
+    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
+
+    def around_write(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """AROUND hook of a transfer worker's KV write function."""
+        room = _worker_room()
+        if not (is_late_room(room) or is_traced_room(room)):
+            return original(*args, **kwargs)
+        assert room is not None
+        return self.on_write(room, original, args, kwargs)
+
+    def on_write(self, room: int, original: Callable[..., Any], args: tuple,
+                 kwargs: dict[str, Any]) -> Any:
+        """Apply the fault to one write of ``room`` (a late or traced room)."""
+        manager = args[0] if args else None
+        try:
+            dst = inspect.signature(original).bind(*args, **kwargs).arguments.get(
+                "dst_kv_indices")
+        except TypeError:
+            dst = None
+        pages = page_runs(dst.tolist() if hasattr(dst, "tolist") else (dst or ()))
+        name = getattr(original, "__qualname__", repr(original))
+
+        def log(event: str, what: str) -> None:
+            logger.warning("%s %s: room %d, decode pages [%s], status %s, at %.3f; %s (%s)",
+                           LATE_WRITE_LOG, event, room, pages, _status_name(manager, room),
+                           time.time(), what, name)
+
+        if not is_late_room(room):
+            log("traced", "written now, not delayed")
+            return original(*args, **kwargs)
+        log("held", f"holding this write for {self.seconds:.1f} s")
+        self.sleep(self.seconds)
+        log("writing", f"writing now, {self.seconds:.1f} s late")
+        result = original(*args, **kwargs)
+        log("done", f"late write returned {result if isinstance(result, int) else 'a handle'}")
+        return result
+
+
+#: The armed faults of this process (None until :func:`register` armed them).
 armed: ForeignKV | None = None
+armed_late_write: LateWrite | None = None
 
 
 def register() -> None:
     """sglang plugin entry point: arm the faults named in ``SGLANG_PDSAFE_TEST_FAULTS``.
 
-    Inert (registers no hook, logs nothing) when the variable is unset or names no known fault.
+    Inert (registers no hook, logs nothing) when the variable is unset or empty. A malformed
+    value raises ``ValueError`` (sglang's loader logs it: the server runs unarmed and says so).
     Idempotent within a process: a second call registers nothing more.
     """
-    global armed
+    global armed, armed_late_write
     spec = os.environ.get(ENV, "")
-    if not spec.strip() or armed is not None:
+    if not spec.strip() or armed is not None or armed_late_write is not None:
         return
     n = parse_foreign_kv(spec)
-    if not n:
+    seconds = parse_late_write(spec)
+    if not n and not seconds:
         logger.warning("%s=%r names no known test fault; nothing armed", ENV, spec)
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    armed = ForeignKV(n)
-    HookRegistry.register(TARGET, armed.before_commit, HookType.BEFORE)
-    logger.warning(
-        "TEST FAULT ARMED (%s=%s, plugin %s, pid %d): at decode commit (%s), requests with rid "
-        "prefix %r get the KV of the last %d prompt positions of the last request with rid "
-        "prefix %r. Never install sglang-pdsafe-testkit or set this outside tests.",
-        ENV, spec, PLUGIN_NAME, os.getpid(), TARGET, INJECT_PREFIX, n, SOURCE_PREFIX,
-    )
+    if n:
+        armed = ForeignKV(n)
+        HookRegistry.register(TARGET, armed.before_commit, HookType.BEFORE)
+        logger.warning(
+            "TEST FAULT ARMED (%s=%s, plugin %s, pid %d): at decode commit (%s), requests with "
+            "rid prefix %r get the KV of the last %d prompt positions of the last request with "
+            "rid prefix %r. Never install sglang-pdsafe-testkit or set this outside tests.",
+            ENV, spec, PLUGIN_NAME, os.getpid(), TARGET, INJECT_PREFIX, n, SOURCE_PREFIX,
+        )
+    if seconds:
+        armed_late_write = LateWrite(seconds)
+        targets = [t for ts in LATE_WRITE_TARGETS.values() for t in ts]
+        for target in targets:
+            HookRegistry.register(target, armed_late_write.around_write, HookType.AROUND)
+        logger.warning(
+            "TEST FAULT ARMED (%s=%s, plugin %s, pid %d): the prefill transfer worker's KV "
+            "writes (%s) of bootstrap rooms %d..%d land %.1f s late; writes of rooms %d..%d are "
+            "logged. Never install sglang-pdsafe-testkit or set this outside tests.",
+            ENV, spec, PLUGIN_NAME, os.getpid(), ", ".join(targets), LATE_ROOM_BASE,
+            LATE_ROOM_BASE + ROOM_RANGE_WIDTH - 1, seconds, TRACE_ROOM_BASE,
+            TRACE_ROOM_BASE + ROOM_RANGE_WIDTH - 1,
+        )
