@@ -37,7 +37,8 @@ are terminal.
   closed; on RDMA the kernel destroys its queue pairs at exit, which flushes them). A prefill
   that is alive but unreachable for that long (a partition, a stalled process) is taken for
   gone too; that is the one assumption this evidence rests on, and
-  ``SGLANG_PDSAFE_QUARANTINE_PEER_GONE=0`` removes it (then only an ACK, or a restart of this decode, ends a quarantine).
+  ``SGLANG_PDSAFE_QUARANTINE_PEER_GONE=0`` removes it (then only an ACK, or a restart of this
+  decode, ends a quarantine).
 
 **Quarantine limit.** When the held tokens exceed ``SGLANG_PDSAFE_QUARANTINE_LIMIT`` (a
 fraction of the decode's KV pool, default 0.25), the decode refuses new PD requests (503, the
