@@ -46,6 +46,8 @@ ROWS=(
   "pair-agreement-unit|0016|test/unit/test_pair_agreement.py"
   "room-guard|0019|test/pd/test_room_guard.py -k mooncake"
   "room-guard-unit|0019|test/unit/test_room_guard.py"
+  "quarantine-unit|0020|test/unit/test_quarantine.py"
+  "write-fence-unit|0021|test/unit/test_write_fence.py"
 )
 
 want=("$@")

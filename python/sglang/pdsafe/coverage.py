@@ -341,6 +341,14 @@ def admit(transfer_queue: Any, decode_req: Any) -> bool:
     verdict = check_commit_hook(transfer_queue, decode_req)
     if verdict.ok:
         return True
+    if (verdict.outcome is Outcome.MISSING and verdict.attested is None
+            and getattr(decode_req, _RESERVATION_ATTR, None) is not None):
+        from sglang.pdsafe import peer_policy
+
+        # A stock prefill during a rolling upgrade, with the operator's explicit waiver
+        # (SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS; logged per prefill, counted per transfer).
+        if peer_policy.coverage_waived(decode_req):
+            return True
     metrics.inc(verdict.counter)
     if mode() == "log":
         logger.error("%s [%s=log: committed anyway]", verdict.message, ENV_MODE)

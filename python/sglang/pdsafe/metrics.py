@@ -86,6 +86,13 @@ COUNTERS: dict[str, str] = {
     "writes_discarded_total":
         "KV chunks a prefill transfer worker dropped before posting them because their room "
         "had failed, been aborted or been cleared (writers stop before writing).",
+    # rolling upgrades: stock peers (issue #11, item 1)
+    "stock_peer_paired_total":
+        "Prefills without sglang-pdsafe (no pdsafe wire version) a decode paired with because "
+        "SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS waives pair-agreement; counted once per prefill.",
+    "coverage_waived_total":
+        "Transfers from such a stock prefill committed without a coverage attestation because "
+        "SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS waives coverage-attestation (per request).",
 }
 GAUGES: dict[str, str] = {
     "quarantined_tokens":

@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from sglang.pdsafe import metrics
+from sglang.pdsafe import metrics, peer_policy
 from sglang.pdsafe.hook_api import attached, guarded, require
 from sglang.pdsafe.protections import Protection, is_pd, register
 
@@ -302,12 +302,18 @@ def _check(queue: Any, bootstrap_addr: str, info: Any) -> str | None:
         return None
     mine = _decode_settings(queue)
     theirs = PairSettings.from_wire(_field(info, "pdsafe_pair"))
-    if theirs is None:
+    stock = theirs is None
+    if stock:
         # A prefill without the pdsafe block still published upstream's fields.
         theirs = PairSettings(None, _field(info, "page_size"), _field(info, "kv_cache_dtype"),
                               _field(info, "kv_layout"), None, None)
-    found = compare(theirs, mine, skip=skipped_fields())
+    skip = skipped_fields()
+    if stock and peer_policy.pair_waived():  # rolling upgrade: the operator's explicit waiver
+        skip = skip | {"wire_version"}
+    found = compare(theirs, mine, skip=skip)
     if not found:
+        if stock and peer_policy.pair_waived():
+            peer_policy.note_stock_peer(queue.kv_manager, bootstrap_addr, WIRE_VERSION)
         _log_pairing(queue.kv_manager, bootstrap_addr, theirs, mine)
         return None
     return refusal_message(bootstrap_addr, found)

@@ -140,6 +140,7 @@ HOOK_MODULES: tuple[str, ...] = (
     "sglang.pdsafe.room_guard",
     "sglang.pdsafe.quarantine",
     "sglang.pdsafe.write_fence",
+    "sglang.pdsafe.peer_policy",
 )
 
 
