@@ -13,8 +13,14 @@ so a pair can never silently be fork/fork.
   pair settings only on request) must not confuse a stock decode: every answer, direct and
   through the router, is the co-located reference's, token for token.
 
-What this does not cover yet (issue 11): a negotiated per-peer policy (serving a stock peer with
-a protection off for an upgrade window), fork/fork of another release over the KV wire.
+* **stock prefill, fork decode with the upgrade-window waiver**
+  (``SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS=pair-agreement,coverage-attestation`` on the decode):
+  every answer is the reference's, token for token; the decode counts the stock prefill once
+  (``stock_peer_paired``) and every unattested transfer it committed (``coverage_waived``).
+
+What this does not cover: fork/fork of another release over the KV wire (pair agreement refuses
+another wire version at bootstrap; ``test/unit/test_peer_policy.py`` shows it on the real
+pairing step).
 """
 
 from __future__ import annotations
@@ -107,6 +113,37 @@ def test_stock_prefill_fork_decode_refused_at_pairing(stock_prefill: PDStack, mo
         "the refused prefill must be counted once, however many requests name it")
     for side in (st.prefill, st.decode):
         assert side.process.alive(), f"{side.config.role} died"
+
+
+WAIVER = {"SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS": "pair-agreement,coverage-attestation"}
+
+
+@pytest.fixture(params=["mooncake"])
+def stock_prefill_waived(request, stock_env, log_dir: Path,
+                         model_path: Path) -> Iterator[PDStack]:
+    """Function-scoped: torn down right after its one test (the module's other stacks stay)."""
+    with pd_stack(request.param, log_dir, prefill=_cfg("prefill", model_path, stock_env),
+                  decode=_cfg("decode", model_path, WAIVER), with_router=False) as st:
+        _assert_versions(st, stock="prefill")
+        yield st
+
+
+def test_stock_prefill_fork_decode_served_under_the_waiver(stock_prefill_waived: PDStack,
+                                                          oracle: Oracle, model_path):
+    """The operator's explicit waiver: the stock prefill is paired (counted once) and each of
+    its unattested transfers is committed (counted), with reference-identical content."""
+    st = stock_prefill_waived
+    paired0 = metric_total(st.decode.url, "sglang:pdsafe_stock_peer_paired_total")
+    waived0 = metric_total(st.decode.url, "sglang:pdsafe_coverage_waived_total")
+    rng = random.Random(1103)
+    n = 3
+    for i in range(n):
+        ids = random_prompt(rng, rng.randint(20, 200), model_path)
+        _, d = direct_pd_generate(st, ids, MAX_NEW, timeout=BOUND_S)
+        oracle.assert_identical(d, ids, MAX_NEW, what=f"{st.backend} stock->fork waived {i}")
+    assert metric_total(st.decode.url, "sglang:pdsafe_stock_peer_paired_total") == paired0 + 1
+    assert metric_total(st.decode.url, "sglang:pdsafe_coverage_waived_total") == waived0 + n, (
+        "every unattested transfer committed under the waiver must be counted")
 
 
 def test_fork_prefill_stock_decode_serves_reference(stock_decode: PDStack, oracle: Oracle,
