@@ -27,6 +27,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,6 +143,7 @@ def prepare_base_tree(tree: Path = DEFAULT_TREE, *, force: bool = False,
         cached = _load(tree, key)
         if cached is not None:
             log(f"base tree: reusing {tree} at {cached.commit[:12]} ({cached.version})")
+            _byte_compile(tree, log)
             return cached
     log(f"base tree: scripts/pdsafe-patches materialize {tree} --force (about a minute)")
     proc = subprocess.run(
@@ -165,4 +167,25 @@ def prepare_base_tree(tree: Path = DEFAULT_TREE, *, force: bool = False,
     (tree / KEY_FILE).write_text(json.dumps(
         {"key": key, "commit": sha, "subject": subject, "patches": applied}, indent=1))
     log(f"base tree: {tree} at {sha[:12]} ({subject}); version {version}")
+    _byte_compile(tree, log)
     return BaseTree(tree, sha, subject, version, tuple(applied))
+
+
+COMPILED_MARKER = ".pdsafe-compiled"
+
+
+def _byte_compile(tree: Path, log=print) -> None:
+    """Byte-compile the tree's sources once. A server started with ``PYTHONDONTWRITEBYTECODE``
+    (set on some machines, CI images included) would otherwise recompile all of sglang at every
+    start (about 50 s per stock server on 2 cores); existing bytecode is still read."""
+    import compileall
+
+    marker = tree / COMPILED_MARKER
+    if marker.is_file():
+        return
+    t0 = time.monotonic()
+    ok = compileall.compile_dir(str(tree / "python"), quiet=1, workers=0)
+    if ok:
+        marker.write_text("1\n")
+    log(f"base tree: byte-compiled in {time.monotonic() - t0:.0f} s" + ("" if ok else
+        " (some files failed; servers compile them at start)"))

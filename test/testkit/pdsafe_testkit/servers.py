@@ -493,7 +493,9 @@ def error_message(body: Any) -> str:
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict):
-            msg = err.get("message", err)
+            msg = err.get("message")
+            if msg is None:  # no message field (e.g. a 200 answer): the body itself
+                return str(err)
             return error_message(msg) if isinstance(msg, dict) else str(msg)
         return str(err)
     return str(body)
