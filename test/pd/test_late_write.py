@@ -84,6 +84,7 @@ from pdsafe_testkit.faults import (
     parse_late_write_log,
     traced_room,
 )
+from pdsafe_testkit.metrics import metric_total
 from pdsafe_testkit.oracle import Oracle, random_prompt
 from pdsafe_testkit.servers import (
     GenResult,
@@ -245,6 +246,11 @@ class Observation:
     reference_s: float = 0.0
     got_excerpt: list[int] = field(default_factory=list)
     want_excerpt: list[int] = field(default_factory=list)
+    #: The decode's /health while it refused B, and after B was served ("status: body").
+    health_during: str = ""
+    health_after: str = ""
+    #: Decode metric deltas over the scenario (sglang:pdsafe_* names without the prefix).
+    metric_deltas: dict[str, float] = field(default_factory=dict)
 
     @property
     def overlap(self) -> int:
@@ -277,6 +283,19 @@ def _span(pages: list[int]) -> str:
     return f"{min(pages)}..{max(pages)} ({len(pages)})" if pages else "none"
 
 
+def _health(server: SGLangServer) -> str:
+    """``/health`` of ``server`` as "status: body" (the fork's 503 names its reason)."""
+    try:
+        r = requests.get(server.url + "/health", timeout=60)
+        return f"{r.status_code}: {r.text[:300]}"
+    except requests.RequestException as e:
+        return f"0: {e}"
+
+
+QUARANTINE_METRICS = ("quarantine_overdue_total", "quarantine_released_ack_total",
+                      "quarantine_limit_refused_total")
+
+
 def _send_b(trio: Trio, b_ids: list[int], obs: Observation) -> GenResult:
     """Send B; while the decode refuses it with an explicit error (e.g. the fork's quarantine
     over its limit), retry like a client told to retry, each time on a fresh traced room, for at
@@ -289,6 +308,8 @@ def _send_b(trio: Trio, b_ids: list[int], obs: Observation) -> GenResult:
             return rb
         obs.b_refusals.append(f"+{time.time() - obs.t_held:.2f}s HTTP {rb.status}: "
                               f"{rb.error_message[:160]}")
+        if not obs.health_during:
+            obs.health_during = _health(trio.decode)
         obs.b_room = traced_room((obs.b_room - traced_room(0) + 1) % ROOM_RANGE_WIDTH)
         time.sleep(0.5)
 
@@ -305,6 +326,7 @@ def run_scenario(trio: Trio, oracle: Oracle, model_path: Path, variant: str,
     want = oracle.expected(b_ids, B_NEW)  # before any PD traffic
     obs.reference_s = time.monotonic() - t0
 
+    before = {m: metric_total(trio.decode.url, "sglang:pdsafe_" + m) for m in QUARANTINE_METRICS}
     v_rid = f"late-victim-{uuid.uuid4().hex}"
     boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": trio.held.bootstrap_port,
             "bootstrap_room": obs.v_room}
@@ -352,6 +374,9 @@ def run_scenario(trio: Trio, oracle: Oracle, model_path: Path, variant: str,
         obs.t_b_transfer, obs.b_prompt_pages = traced.at, sorted(traced.pages)
     if obs.t_release_seen is None and release_line in trio.decode.process.log_text():
         obs.t_release_seen = time.time()  # released only after B was sent
+    obs.health_after = _health(trio.decode)
+    obs.metric_deltas = {m: metric_total(trio.decode.url, "sglang:pdsafe_" + m) - v
+                         for m, v in before.items()}
     obs.b_status, obs.b_len = rb.status, len(rb.output_ids)
     obs.b_error = "" if rb.ok else rb.error_message
     if rb.status == 200:
@@ -438,4 +463,16 @@ def test_late_write_fork_keeps_reused_pages_clean(backend: str, log_dir: Path, m
         f"V's late write reached B: B's answer differs from the co-located reference from token "
         f"{obs.first_divergence} (got {obs.got_excerpt}, want {obs.want_excerpt}): "
         f"{obs.timeline()}")
+    # How the fork kept B clean (patch 0020): V's pages stayed quarantined past upstream's
+    # timeout (alarm) until the drain ACK; V held more than the limit, so the decode refused
+    # new requests meanwhile and /health said why, and both recovered with the ACK.
+    t = f"{obs.timeline()} metrics {obs.metric_deltas} health {obs.health_during!r} -> " \
+        f"{obs.health_after!r}"
+    assert obs.metric_deltas["quarantine_overdue_total"] >= 1, t
+    assert obs.metric_deltas["quarantine_released_ack_total"] >= 1, t
+    assert obs.b_refusals and all("decode KV quarantine over its limit" in r
+                                  for r in obs.b_refusals), t
+    assert obs.metric_deltas["quarantine_limit_refused_total"] >= len(obs.b_refusals), t
+    assert obs.health_during.startswith("503") and "quarantine" in obs.health_during, t
+    assert obs.health_after.startswith("200"), t
 

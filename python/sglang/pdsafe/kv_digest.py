@@ -1,0 +1,709 @@
+"""KV content digests for PD transfers (issue 10: the algorithm, the layout and the CPU path).
+
+Upstream's ``--disaggregation-enable-kv-checksum`` (Adler-32, CUDA only) is off by default,
+page-granular (the stale tail of a request's last page is never looked at), passes when the
+digest is missing or zero, and skips any client whose rid starts with ``HEALTH_CHECK``. This
+module defines the digest that replaces it, as pure functions over a real sglang KV pool: the
+prefill computes it over the pages it is about to send, the decode over the pages it received,
+and :func:`verify` compares the two with no skip case at all. Wiring it into the servers (the
+patches, the metadata slot that carries it, the refusal) is not part of this module yet.
+
+**What is digested.** Exactly the token range the request owns, ``[prefix, length)`` of its
+``req_to_token`` row (the KV locations of its positions), token-granular: the partial last page
+contributes only the slots of owned positions, another request's slots and the unowned tail
+of a page never enter the digest. Of every component that decode reads:
+
+==========================  ==========  ===========================================  =======
+pool (exact class)          component   rows (one per index)                         space
+==========================  ==========  ===========================================  =======
+MHATokenToKVPool (NHD)      ``k``       ``k_buffer[l][loc]`` (head, head_dim)        token
+                            ``v``       ``v_buffer[l][loc]``                         token
+MHATokenToKVPoolFP4         + ``k_scale``, ``v_scale``: ``*_scale_buffer[l][loc]``   token
+MHATokenToKVPoolMXFP8       + ``k_scale``, ``v_scale``: flat ``[loc]``, or for the   token
+                            interleaved layout (page 128) ``[p, :, o % 32, o // 32, :]``
+                            with ``p, o = divmod(loc, page_size)``
+MHATokenToKOnlyPool         ``k``       ``k_buffer[l][loc]``                         token
+MLATokenToKVPool            ``kv``      ``kv_buffer[l][loc]`` (1, kv_cache_dim)      token
+MLATokenToKVPoolFP4         + ``kv_scale``: ``kv_scale_buffer[l][loc]``              token
+DSATokenToKVPool            MLA's ``kv`` + ``index``: the indexer key bytes then     token
+                            its scale bytes of slot ``o`` of page ``p`` of
+                            ``index_k_with_scale_buffer[l]`` (index_kpool 1)
+SWAKVPool                   ``full.*`` of the full sub-pool                          token
+                            ``swa.*`` of the SWA sub-pool, positions                 swa
+                            ``[max(prefix, length - window), length)`` at
+                            ``translate_loc_from_full_to_swa(loc)``
+HybridLinearKVPool          ``full.*`` of its full-attention sub-pool (MHA, MLA,     token
+                            DSA) + ``mamba.conv<i>``, ``mamba.temporal``:            state
+                            ``mamba_cache.conv[i][l][slot]``, ``temporal[l][slot]``
+                            for each of the request's state slots
+==========================  ==========  ===========================================  =======
+
+Any other pool class, layout or buffer raises :class:`UnsupportedLayout` (fail closed: a digest
+never silently leaves out a component). As a cross-check, every buffer that the transfer
+registers (``get_contiguous_buf_infos``, ``get_state_buf_infos``, ``get_kv_scale_buf_infos``)
+must be the storage of a digested component, or the pool is refused.
+
+**Byte stream, order and the digest.** The bytes of one row are the row's elements in C order
+(``row_shape`` in the signature), each in the machine's byte order (little-endian on every
+platform sglang runs on; the byte order is part of the signature). For each component, in the
+order of the table, then by layer in the pool's own layer order (the model layer ids, each
+recorded in the signature, ascending in every pool above), the component's *stream* is the
+concatenation of its rows in position order (state slots in the order given). The stream is
+cut into leaves of ``T = max(1, LEAF_BYTES // row_bytes)`` rows (the last leaf may be shorter;
+an empty stream has no leaves), and::
+
+    leaf   = XXH3-128(leaf bytes)                                   16 bytes, canonical
+    header = MAGIC (16 bytes) || signature digest (16 bytes)
+             || u64 room, generation, prefix, token_count, swa_window, state slots, components
+    value  = XXH3-128(header || for each component: u64 rows || its leaves' digests)
+
+all integers little-endian u64; a value of 16 zero bytes is replaced by ``00..01`` so that
+zero can only mean "no digest". The result is :class:`KvDigest`: the 16-byte value, the
+16-byte layout signature digest and, in clear for the messages, the bound fields.
+
+**GPU later, bit-identical.** The definition only needs (a) the gathered rows of each
+component, (b) fixed leaves of whole rows and (c) XXH3-128, which uses 64-bit adds, xors,
+shifts and 32x32->64 multiplies only. A Triton kernel gathers the same rows on the device (the
+index arithmetic above), runs one program per leaf (inside a leaf, XXH3's 1 KiB blocks are
+sums over 16 stripes x 8 lanes, so a block is one vector step; the scramble between blocks is
+the only sequential part; leaves under 241 bytes take XXH3's short-input paths) and writes the
+16-byte leaf digests; the short root hash runs anywhere. Leaves of at most 64 KiB give
+thousands of independent programs per request (a row larger than 64 KiB, e.g. a Mamba
+temporal state slot, is one leaf on its own; splitting it would be a new scheme version). The
+CPU path here hashes the same leaves with the ``xxhash`` package (already an upstream sglang
+dependency), either straight from the pool's memory (rows of a leaf that sit in consecutive
+slots, zero-copy) or from a gather; both give the same bytes, which the tests check.
+
+Invariants:
+
+* The digest is a function of the owned rows' bytes, the component order and row layout (the
+  signature), and the bound fields only; a byte outside the owned range never changes it.
+* :func:`verify` has no skip case: a missing or zero digest, a signature mismatch, a bound
+  field that differs and a value that differs are failures; nothing depends on the rid.
+
+What it proves and what it does not: equal digests mean that decode's owned rows hold the
+bytes prefill digested for this room, generation, range and layout, except with probability
+about 2^-128 per comparison (two different leaf inputs collide under XXH3-128, or two different
+leaf lists under the root hash): a single flipped bit anywhere in a digested row changes its
+leaf's input, so it is caught with that probability (XXH3 is not a CRC: the detection of one
+bit is probabilistic, not guaranteed by construction, but a 2^-128 miss is far below the
+hardware's own error rates). XXH3 is not a cryptographic hash or a MAC: it detects corruption,
+stale pages and foreign KV, not a party that can write chosen bytes into both the pages and the
+digest. It says nothing about what the KV *means* (that prefill computed it from the right
+tokens is the coverage attestation's job, :mod:`sglang.pdsafe.coverage`), nor about bytes
+written after decode verified. The digest is per rank over that rank's shard: prefill and
+decode must shard the same way (heterogeneous TP/PP between the legs is not covered).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+SCHEME = "pdsafe-kvdigest/1"
+#: 16 bytes that open every header: scheme and version.
+MAGIC = b"pdsafe-kvdigst01"
+#: Target leaf size; a leaf is ``max(1, LEAF_BYTES // row_bytes)`` whole rows.
+LEAF_BYTES = 64 * 1024
+DIGEST_SIZE = 16
+_U64 = (1 << 64) - 1
+_ZERO = bytes(DIGEST_SIZE)
+_ONE = bytes(DIGEST_SIZE - 1) + b"\x01"
+#: Bytes gathered per step on the gather path: bounded memory for long contexts, and small
+#: enough that the hash reads the gathered rows from cache.
+_GATHER_STEP_BYTES = 1024 * 1024
+
+assert len(MAGIC) == 16
+
+
+class UnsupportedLayout(ValueError):
+    """The pool's layout is not one this module can digest completely; never digest it."""
+
+
+class Space(enum.Enum):
+    """Which index addresses a component's rows."""
+
+    TOKEN = "token"  # the full pool's KV location of a position (a req_to_token value)
+    SWA = "swa"  # the SWA pool's location of a window position (translated full location)
+    STATE = "state"  # a request state slot (Mamba / linear attention)
+
+
+@dataclass(frozen=True)
+class Component:
+    """One digested buffer of one layer.
+
+    ``gather(idx, out=None)`` returns the rows at the int64 indices ``idx`` as a contiguous
+    uint8 tensor ``[len(idx), row_bytes]`` on the pool's device (into ``out`` when it can).
+    ``rows`` is the same data as a zero-copy uint8 ``[slots, row_bytes]`` view when the pool
+    stores rows contiguously on the CPU (the zero-copy path hashes slices of it), else None.
+    ``storage_ptr`` is the ``data_ptr`` of the buffer the transfer registers for it (the
+    cross-check), ``slots`` its number of rows.
+    """
+
+    name: str
+    layer: int
+    space: Space
+    dtype: str
+    row_shape: tuple[int, ...]
+    row_bytes: int
+    slots: int
+    gather: Callable[..., torch.Tensor] = field(repr=False, compare=False)
+    rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    storage_ptr: int = field(default=0, repr=False, compare=False)
+
+    def describe(self) -> str:
+        shape = "x".join(str(d) for d in self.row_shape) or "scalar"
+        return f"{self.name}@{self.layer}:{self.dtype}:{shape}:{self.space.value}"
+
+
+@dataclass(frozen=True)
+class Signature:
+    """The layout signature: ``text`` (for messages) and its 16-byte XXH3-128 ``digest``."""
+
+    text: str
+    digest: bytes
+
+
+@dataclass(frozen=True)
+class KvDigest:
+    """What one side computed: the value and signature (16 bytes each) and the bound fields.
+
+    Only ``value`` and ``signature`` need to travel: the receiver knows the bound fields of
+    its own request, and they are hashed into ``value``.
+    """
+
+    room: int
+    generation: int
+    prefix: int
+    token_count: int
+    signature: bytes
+    value: bytes
+    signature_text: str = field(default="", compare=False)
+
+    def to_words(self) -> list[int]:
+        """``value`` then ``signature`` as four unsigned 64-bit words (for a metadata row)."""
+        raw = self.value + self.signature
+        return [int.from_bytes(raw[i:i + 8], "big") for i in range(0, 32, 8)]
+
+    @staticmethod
+    def from_words(words: Sequence[int], *, room: int, generation: int, prefix: int,
+                   token_count: int) -> KvDigest:
+        """The inverse of :meth:`to_words`; the bound fields are the receiver's own."""
+        if len(words) != 4:
+            raise ValueError(f"a KV digest is 4 words, got {len(words)}")
+        raw = b"".join((int(w) & _U64).to_bytes(8, "big") for w in words)
+        return KvDigest(room=room, generation=generation, prefix=prefix,
+                        token_count=token_count, signature=raw[16:], value=raw[:16])
+
+
+# --------------------------------------------------------------------------- components
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _as_bytes_dtype(t: torch.Tensor) -> torch.Tensor:
+    # 1-byte float types (fp8, e8m0) lack CPU indexing kernels; their bytes are the same.
+    if t.element_size() == 1 and t.dtype != torch.uint8:
+        return t.view(torch.uint8)
+    return t
+
+
+def _row_component(name: str, layer: int, space: Space, t: torch.Tensor) -> Component:
+    """A buffer whose dim 0 is the slot: row ``s`` is ``t[s]`` in C order."""
+    row_shape = tuple(int(d) for d in t.shape[1:])
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * t.element_size()
+    dtype = _dtype_name(t)
+    slots = int(t.shape[0])
+    ptr = t.data_ptr()
+    src = _as_bytes_dtype(t)
+    if src.is_contiguous() and row_bytes > 0:
+        flat = src.view(torch.uint8).reshape(slots, row_bytes)
+        rows = flat if flat.device.type == "cpu" else None
+
+        def gather(idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            idx = idx.to(flat.device)
+            if out is not None and out.device == flat.device:
+                return torch.index_select(flat, 0, idx, out=out[: idx.numel()])
+            return flat.index_select(0, idx)
+    else:
+        rows = None
+
+        def gather(idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            g = src.index_select(0, idx.to(src.device)).contiguous()
+            return g.view(torch.uint8).reshape(int(idx.numel()), row_bytes)
+
+    return Component(name, layer, space, dtype, row_shape, row_bytes, slots, gather, rows, ptr)
+
+
+def _custom_component(name: str, layer: int, space: Space, base: torch.Tensor,
+                      row_shape: tuple[int, ...], slots: int,
+                      pick: Callable[[torch.Tensor], torch.Tensor]) -> Component:
+    """A buffer whose rows need index arithmetic: ``pick(idx)`` returns ``[n, *row_shape]``."""
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * base.element_size()
+    device = base.device
+
+    def gather(idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        g = pick(idx.to(device)).contiguous()
+        return g.view(torch.uint8).reshape(int(idx.numel()), row_bytes)
+
+    return Component(name, layer, space, _dtype_name(base), row_shape, row_bytes, slots, gather,
+                     None, base.data_ptr())
+
+
+def _layer_ids(pool: Any) -> list[int]:
+    ids = getattr(pool, "model_layer_ids", None)
+    if ids is not None:
+        return [int(i) for i in ids]
+    start = int(getattr(pool, "start_layer", 0) or 0)
+    return list(range(start, start + int(pool.layer_num)))
+
+
+def _mha_components(pool: Any, prefix: str, space: Space, layer_ids: list[int]) -> list[Component]:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+
+    if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", "nhd") != "nhd":
+        raise UnsupportedLayout(
+            f"{type(pool).__name__} with layout {getattr(pool, 'kv_cache_layout', '?')!r}: only "
+            "the NHD slot-row layout is digested (PD transfer supports only NHD as well)")
+    for attr in ("native_k_scale_buffer", "native_v_scale_buffer"):
+        if getattr(pool, attr, None) is not None:
+            raise UnsupportedLayout(f"{type(pool).__name__}.{attr}: layout not digested yet")
+    out: list[Component] = []
+    for name in ("k", "v"):
+        for lid, buf in zip(layer_ids, getattr(pool, f"{name}_buffer"), strict=True):
+            out.append(_row_component(prefix + name, lid, space, buf))
+    if getattr(pool, "k_scale_buffer", None) is None:
+        return out
+    interleaved = isinstance(pool, MHATokenToKVPoolMXFP8) and pool.mxfp8_sf_interleaved
+    page = int(pool.page_size)
+    for name in ("k", "v"):
+        scales = getattr(pool, f"{name}_scale_buffer")
+        for lid, buf, data in zip(layer_ids, scales, getattr(pool, f"{name}_buffer"), strict=True):
+            if interleaved:
+                # (pages, head, 32, page // 32, sf): slot o of a page is [o % 32, o // 32].
+                ub = buf.view(torch.uint8)
+                blk = int(ub.shape[2])
+
+                def pick(idx: torch.Tensor, ub: torch.Tensor = ub, blk: int = blk) -> torch.Tensor:
+                    p, o = idx // page, idx % page
+                    return ub[p, :, o % blk, o // blk, :]
+
+                out.append(_custom_component(
+                    prefix + name + "_scale", lid, space, buf,
+                    (int(ub.shape[1]), int(ub.shape[4])), int(ub.shape[0]) * page, pick))
+            elif buf.shape[0] == data.shape[0]:
+                out.append(_row_component(prefix + name + "_scale", lid, space, buf))
+            else:
+                raise UnsupportedLayout(
+                    f"{type(pool).__name__}.{name}_scale_buffer of shape {tuple(buf.shape)} is "
+                    "not one row per slot: layout not digested yet")
+    return out
+
+
+def _konly_components(pool: Any, prefix: str, space: Space,
+                      layer_ids: list[int]) -> list[Component]:
+    return [_row_component(prefix + "k", lid, space, buf)
+            for lid, buf in zip(layer_ids, pool.k_buffer, strict=True)]
+
+
+def _mla_components(pool: Any, prefix: str, space: Space, layer_ids: list[int]) -> list[Component]:
+    out = [_row_component(prefix + "kv", lid, space, buf)
+           for lid, buf in zip(layer_ids, pool.kv_buffer, strict=True)]
+    if getattr(pool, "kv_scale_buffer", None) is not None:
+        out += [_row_component(prefix + "kv_scale", lid, space, buf)
+                for lid, buf in zip(layer_ids, pool.kv_scale_buffer, strict=True)]
+    return out
+
+
+def _dsa_components(pool: Any, prefix: str, space: Space, layer_ids: list[int]) -> list[Component]:
+    from sglang.srt.mem_cache import index_key_cache
+
+    if (pool.index_kpool != 1 or pool.index_page_size != pool.page_size
+            or getattr(index_key_cache, "_use_aiter_preshuffle", False)):
+        raise UnsupportedLayout(
+            f"{type(pool).__name__} with index_kpool={pool.index_kpool}, index page "
+            f"{pool.index_page_size} of page {pool.page_size} (or the AITER preshuffled index): "
+            "only the plain per-page index layout (index_kpool 1) is digested")
+    out = _mla_components(pool, prefix, space, layer_ids)
+    page = int(pool.page_size)
+    dim = int(pool.index_head_dim)
+    scale_bytes = dim // int(pool.quant_block_size) * 4
+    for lid, buf in zip(layer_ids, pool.index_k_with_scale_buffer, strict=True):
+        if buf.shape[0] == 0:  # a layer that reuses the previous top-k has no index keys
+            continue
+        # One page row: the page's key bytes (page x dim), then its scale bytes (page x 4).
+        keys = buf[:, : page * dim].view(buf.shape[0], page, dim)
+        scales = buf[:, page * dim:].view(buf.shape[0], page, scale_bytes)
+
+        def pick(idx: torch.Tensor, keys: torch.Tensor = keys,
+                 scales: torch.Tensor = scales) -> torch.Tensor:
+            p, o = idx // page, idx % page
+            return torch.cat([keys[p, o], scales[p, o]], dim=1)
+
+        out.append(_custom_component(prefix + "index", lid, space, buf, (dim + scale_bytes,),
+                                     int(buf.shape[0]) * page, pick))
+    return out
+
+
+def _attention_components(pool: Any, prefix: str, space: Space,
+                          layer_ids: list[int] | None = None) -> list[Component]:
+    from sglang.srt.mem_cache import memory_pool as mp
+
+    ids = _layer_ids(pool) if layer_ids is None else layer_ids
+    cls = type(pool)
+    if cls in (mp.MHATokenToKVPool, mp.MHATokenToKVPoolFP4, mp.MHATokenToKVPoolMXFP8):
+        return _mha_components(pool, prefix, space, ids)
+    if cls is mp.MHATokenToKOnlyPool:
+        return _konly_components(pool, prefix, space, ids)
+    if cls in (mp.MLATokenToKVPool, mp.MLATokenToKVPoolFP4):
+        return _mla_components(pool, prefix, space, ids)
+    if cls is mp.DSATokenToKVPool:
+        return _dsa_components(pool, prefix, space, ids)
+    raise UnsupportedLayout(
+        f"KV pool {cls.__module__}.{cls.__qualname__} is not a layout sglang-pdsafe can digest "
+        "completely; refusing rather than digesting part of it")
+
+
+def _mamba_components(mamba_pool: Any) -> list[Component]:
+    if getattr(mamba_pool, "_slot_siblings", ()):
+        raise UnsupportedLayout("Mamba pool with slot-sibling states: layout not digested yet")
+    cache = mamba_pool.mamba_cache
+    layer_ids = [int(i) for i in mamba_pool.mamba_layer_ids]
+    out: list[Component] = []
+    for i, conv in enumerate(cache.conv):
+        if conv.numel() == 0:
+            continue
+        out += [_row_component(f"mamba.conv{i}", lid, Space.STATE, conv[li])
+                for li, lid in enumerate(layer_ids)]
+    if cache.temporal is not None and cache.temporal.numel() > 0:
+        out += [_row_component("mamba.temporal", lid, Space.STATE, cache.temporal[li])
+                for li, lid in enumerate(layer_ids)]
+    return out
+
+
+def components(pool: Any) -> list[Component]:
+    """Every component decode reads from ``pool``, in digest order (module docstring)."""
+    from sglang.srt.mem_cache import memory_pool as mp
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    cls = type(pool)
+    if cls is SWAKVPool:
+        full_ids = sorted((loc, g) for g, (loc, swa) in pool.layers_mapping.items() if not swa)
+        swa_ids = sorted((loc, g) for g, (loc, swa) in pool.layers_mapping.items() if swa)
+        comps = _attention_components(pool.full_kv_pool, "full.", Space.TOKEN,
+                                      [g for _, g in full_ids])
+        comps += _attention_components(pool.swa_kv_pool, "swa.", Space.SWA,
+                                       [g for _, g in swa_ids])
+    elif cls is mp.HybridLinearKVPool:
+        full_ids = sorted((loc, g) for g, loc in pool.full_attention_layer_id_mapping.items())
+        comps = _attention_components(pool.full_kv_pool, "full.", Space.TOKEN,
+                                      [g for _, g in full_ids])
+        comps += _mamba_components(pool.mamba_pool)
+    else:
+        comps = _attention_components(pool, "", Space.TOKEN)
+    _check_covers_transfer(pool, comps)
+    return comps
+
+
+def _transfer_buffers(pool: Any) -> list[tuple[str, int]]:
+    """(source, data_ptr) of every non-empty buffer the PD transfer registers for ``pool``."""
+    out: list[tuple[str, int]] = []
+    for meth in ("get_contiguous_buf_infos", "get_state_buf_infos", "get_kv_scale_buf_infos",
+                 "get_swa_kv_scale_buf_infos"):
+        fn = getattr(pool, meth, None)
+        if fn is None:
+            continue
+        try:
+            ptrs, lens, _ = fn()
+        except (NotImplementedError, AttributeError, TypeError):
+            continue  # the pool has no such buffers (upstream's base methods raise or miss)
+        out += [(meth, int(p)) for p, n in zip(ptrs, lens, strict=True) if int(n) > 0]
+    return out
+
+
+def _check_covers_transfer(pool: Any, comps: Sequence[Component]) -> None:
+    covered = {c.storage_ptr for c in comps}
+    missing = [(m, p) for m, p in _transfer_buffers(pool) if p not in covered]
+    if missing:
+        raise UnsupportedLayout(
+            f"{type(pool).__name__}: the transfer registers {len(missing)} buffer(s) that no "
+            f"digested component covers (first: {missing[0][0]} ptr {missing[0][1]:#x}); "
+            "refusing rather than digesting part of the KV")
+
+
+def layout_signature(pool: Any, comps: Sequence[Component] | None = None) -> Signature:
+    """The signature of ``pool``'s digested layout (see the module docstring)."""
+    comps = components(pool) if comps is None else comps
+    parts = [SCHEME, f"leaf={LEAF_BYTES}", f"byteorder={sys.byteorder}",
+             f"pool={type(pool).__name__}"] + [c.describe() for c in comps]
+    text = ";".join(parts)
+    return Signature(text=text, digest=xxhash.xxh3_128_digest(text.encode()))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A pool with its components and signature worked out once (:func:`prepare`)."""
+
+    pool: Any
+    components: tuple[Component, ...]
+    signature: Signature
+
+
+def prepare(pool: Any) -> Prepared:
+    """Work out ``pool``'s components and signature once (about 1-2 ms for 64 components).
+
+    A server does this when its KV pool is built and passes the result to
+    :func:`digest_request`; prepare again if the pool's buffers are ever reallocated.
+    """
+    comps = tuple(components(pool))
+    return Prepared(pool, comps, layout_signature(pool, comps))
+
+
+# --------------------------------------------------------------------------- digest
+
+
+def leaf_rows(row_bytes: int) -> int:
+    """Rows per leaf for rows of ``row_bytes`` bytes."""
+    return max(1, LEAF_BYTES // max(int(row_bytes), 1))
+
+
+def _runs(idx: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive slots, in order: (first slot, rows)."""
+    if idx.size == 0:
+        return []
+    brk = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate(([0], brk))
+    lens = np.diff(np.append(starts, idx.size))
+    return list(zip(idx[starts].tolist(), lens.tolist(), strict=True))
+
+
+def _leaf_plan(runs: Sequence[tuple[int, int]], rows_per_leaf: int) -> list[list[tuple[int, int]]]:
+    """Split the runs at leaf boundaries: per leaf, its (first slot, rows) pieces."""
+    plan: list[list[tuple[int, int]]] = []
+    cur: list[tuple[int, int]] = []
+    room = rows_per_leaf
+    for slot, n in runs:
+        while n > 0:
+            take = min(n, room)
+            cur.append((slot, take))
+            slot, n, room = slot + take, n - take, room - take
+            if room == 0:
+                plan.append(cur)
+                cur, room = [], rows_per_leaf
+    if cur:
+        plan.append(cur)
+    return plan
+
+
+def _leaves_stream(rows: np.ndarray, plan: Sequence[Sequence[tuple[int, int]]]) -> list[bytes]:
+    out = []
+    one_shot = xxhash.xxh3_128_digest
+    for pieces in plan:
+        if len(pieces) == 1:
+            s, n = pieces[0]
+            out.append(one_shot(rows[s:s + n]))
+        else:
+            h = xxhash.xxh3_128()
+            for s, n in pieces:
+                h.update(rows[s:s + n])
+            out.append(h.digest())
+    return out
+
+
+def _leaves_gather(comp: Component, idx: torch.Tensor, rows_per_leaf: int,
+                   scratch: dict[int, torch.Tensor]) -> list[bytes]:
+    out: list[bytes] = []
+    n = int(idx.numel())
+    step = max(1, _GATHER_STEP_BYTES // max(comp.row_bytes * rows_per_leaf, 1)) * rows_per_leaf
+    buf = scratch.get(comp.row_bytes)
+    if buf is None or buf.shape[0] < min(step, n):
+        buf = scratch[comp.row_bytes] = torch.empty((min(step, n), comp.row_bytes),
+                                                    dtype=torch.uint8)
+    one_shot = xxhash.xxh3_128_digest
+    for a in range(0, n, step):
+        g = comp.gather(idx[a:a + step], out=buf)
+        if g.device.type != "cpu":
+            g = g.cpu()
+        arr = g.numpy()
+        out += [one_shot(arr[k:k + rows_per_leaf]) for k in range(0, arr.shape[0], rows_per_leaf)]
+    return out
+
+
+def _index_tensor(values: Any) -> torch.Tensor:
+    """int64 indices on the CPU (each component's gather moves them to its device)."""
+    return torch.as_tensor(values).to(device="cpu", dtype=torch.int64).reshape(-1)
+
+
+def _check_range(comp: Component, lo: int, hi: int, what: str) -> None:
+    if lo < 0 or hi >= comp.slots:
+        raise ValueError(f"{what} index out of range for {comp.describe()}: [{lo}, {hi}] "
+                         f"not within [0, {comp.slots})")
+
+
+def digest_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, length: int,
+                   room: int, generation: int = 0, state_indices: Sequence[int] | torch.Tensor = (),
+                   swa_window: int | None = None, path: str = "auto") -> KvDigest:
+    """The digest of the request's owned KV ``[prefix, length)`` in ``pool``.
+
+    ``req_to_token_row``: the request's row of ``req_to_token`` (position -> KV location; at
+    least ``length`` entries), the same call on prefill (before sending) and on decode (over
+    its own row, after receiving). ``state_indices``: the request's state slots (Mamba pools;
+    required there). ``swa_window``: the sliding window in tokens (SWA pools; required there).
+    ``path``: ``auto``, ``stream`` (zero-copy from the pool, CPU tensors only) or ``gather``;
+    all give the same digest. ``pool`` may be a :class:`Prepared` pool (no per-call setup).
+    """
+    if path not in ("auto", "stream", "gather"):
+        raise ValueError(f"unknown path {path!r}")
+    prefix, length = int(prefix), int(length)
+    if not 0 <= prefix <= length:
+        raise ValueError(f"need 0 <= prefix <= length, got [{prefix}, {length})")
+    prepared = pool if isinstance(pool, Prepared) else prepare(pool)
+    pool, comps, sig = prepared.pool, prepared.components, prepared.signature
+    row = torch.as_tensor(req_to_token_row).reshape(-1)
+    if row.numel() < length:
+        raise ValueError(f"req_to_token row has {row.numel()} entries, need {length}")
+    spaces = {c.space for c in comps}
+    window = 0
+    idx_by_space: dict[Space, torch.Tensor] = {}
+    if Space.TOKEN in spaces:
+        idx_by_space[Space.TOKEN] = _index_tensor(row[prefix:length])
+    if Space.SWA in spaces:
+        if not swa_window or int(swa_window) <= 0:
+            raise ValueError("an SWA pool needs swa_window (the sliding window in tokens)")
+        window = int(swa_window)
+        start = max(prefix, length - window)
+        mapping = pool.full_to_swa_index_mapping
+        if mapping is None:
+            raise ValueError("SWA pool without a full-to-SWA mapping (register_mapping)")
+        full = row[start:length].to(device=mapping.device, dtype=torch.int64)
+        idx_by_space[Space.SWA] = _index_tensor(pool.translate_loc_from_full_to_swa(full))
+    n_state = 0
+    if Space.STATE in spaces:
+        st = _index_tensor(state_indices)
+        if st.numel() == 0:
+            raise ValueError("a pool with request state needs state_indices (its state slots)")
+        idx_by_space[Space.STATE] = st
+        n_state = int(st.numel())
+
+    np_idx = {s: t.numpy() for s, t in idx_by_space.items()}
+    bounds = {s: (int(a.min()), int(a.max())) if a.size else (0, -1) for s, a in np_idx.items()}
+    plans: dict[tuple[Space, int], tuple[list[list[tuple[int, int]]], int]] = {}
+    scratch: dict[int, torch.Tensor] = {}
+    runs_by_space = {s: _runs(a) for s, a in np_idx.items()}
+
+    h = xxhash.xxh3_128()
+    h.update(MAGIC + sig.digest)
+    h.update(struct.pack("<7Q", int(room) & _U64, int(generation) & _U64, prefix,
+                         length - prefix, window, n_state, len(comps)))
+    for c in comps:
+        idx = idx_by_space[c.space]
+        n = int(idx.numel())
+        h.update(struct.pack("<Q", n))
+        if n == 0:
+            continue
+        lo, hi = bounds[c.space]
+        _check_range(c, lo, hi, c.space.value)
+        if lo == 0 and c.space is not Space.STATE:
+            # Slot 0 is every pool's padding slot (dummy writes land there); a position that
+            # points at it has no KV of its own (an SWA position whose window KV was freed).
+            raise ValueError(f"a position of [{prefix}, {length}) maps to the padding slot 0 "
+                             f"of {c.describe()}: it has no KV to digest")
+        t = leaf_rows(c.row_bytes)
+        key = (c.space, t)
+        if key not in plans:
+            plan = _leaf_plan(runs_by_space[c.space], t)
+            plans[key] = (plan, sum(len(p) for p in plan))
+        plan, pieces = plans[key]
+        use_stream = c.rows is not None and (
+            path == "stream" or (path == "auto" and pieces <= 4 * len(plan)))
+        if path == "stream" and c.rows is None:
+            raise ValueError(f"{c.describe()} has no zero-copy rows (not CPU or not contiguous)")
+        leaves = (_leaves_stream(c.rows.numpy(), plan) if use_stream
+                  else _leaves_gather(c, idx, t, scratch))
+        h.update(b"".join(leaves))
+    value = h.digest()
+    if value == _ZERO:
+        value = _ONE
+    return KvDigest(room=int(room) & _U64, generation=int(generation) & _U64, prefix=prefix,
+                    token_count=length - prefix, signature=sig.digest, value=value,
+                    signature_text=sig.text)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    MISSING = "missing"  # no digest, or a zero one
+    LAYOUT = "layout"  # the layout signatures differ
+    BINDING = "binding"  # room, generation, prefix or token count differ
+    MISMATCH = "mismatch"  # the KV bytes differ
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: Outcome
+    message: str = ""
+    differs: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+
+_BOUND = ("room", "generation", "prefix", "token_count")
+
+
+def _absent(d: KvDigest | None) -> str | None:
+    if d is None:
+        return "no digest"
+    if len(d.value) != DIGEST_SIZE or len(d.signature) != DIGEST_SIZE:
+        return "a malformed digest"
+    if d.value == _ZERO or d.signature == _ZERO:
+        return "a zero digest"
+    return None
+
+
+def verify(expected: KvDigest | None, actual: KvDigest | None, rid: str = "?") -> Verdict:
+    """Compare prefill's digest (``expected``) with decode's own (``actual``).
+
+    Every case but equality fails: a missing, zero or malformed digest on either side, a
+    different layout signature, a different bound field, a different value. ``rid`` only
+    names the request in the message; nothing depends on it.
+    """
+    head = "KV integrity check failed"
+    ref = actual if actual is not None else expected
+    where = (f"request {rid}, room {ref.room}, generation {ref.generation}" if ref is not None
+             else f"request {rid}")
+    for side, d in (("prefill", expected), ("decode", actual)):
+        why = _absent(d)
+        if why is not None:
+            return Verdict(Outcome.MISSING, f"{head} ({where}): {side} produced {why}; the KV "
+                                            "cannot be checked, so it is not used")
+    assert expected is not None and actual is not None
+    if expected.signature != actual.signature:
+        detail = ""
+        if expected.signature_text and actual.signature_text:
+            detail = f": prefill {expected.signature_text!r}, decode {actual.signature_text!r}"
+        return Verdict(Outcome.LAYOUT, f"{head} ({where}): prefill and decode digest different "
+                                       f"KV layouts{detail}", ("signature",))
+    differs = tuple(f for f in _BOUND if getattr(expected, f) != getattr(actual, f))
+    if differs:
+        both = ", ".join(f"{f} {getattr(expected, f)} vs {getattr(actual, f)}" for f in differs)
+        return Verdict(Outcome.BINDING, f"{head} ({where}): the digest is for another transfer "
+                                        f"({both}, prefill vs decode)", differs)
+    if expected.value != actual.value:
+        return Verdict(Outcome.MISMATCH, f"{head} ({where}): tokens [{actual.prefix}, "
+                                         f"{actual.prefix + actual.token_count}) differ from "
+                                         "what prefill sent", ("value",))
+    return Verdict(Outcome.OK)
