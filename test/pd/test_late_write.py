@@ -143,6 +143,14 @@ class Trio:
         return PDStack(self.backend, prefill, self.decode, None)
 
 
+#: The decode probes each prefill's bootstrap server every second and declares it gone after
+#: two misses (upstream's defaults: 5 s, 2), so the crash scenario's bound stays short.
+HEARTBEAT_ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "1",
+                 "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}
+#: Longest the crash scenario may take from the SIGKILL to each of its outcomes.
+CRASH_BOUND_S = 60.0
+
+
 @contextmanager
 def late_write_stack(backend: str, log_dir: Path, model_path: Path,
                      extra_env: dict[str, str]) -> Iterator[Trio]:
@@ -162,7 +170,7 @@ def late_write_stack(backend: str, log_dir: Path, model_path: Path,
     started: list[SGLangServer] = []
     try:
         for c in (cfg("prefill", prefill_env), cfg("prefill", prefill_env),
-                  cfg("decode", {RELEASE_ENV: f"{RELEASE_TIMEOUT_S:g}"})):
+                  cfg("decode", {RELEASE_ENV: f"{RELEASE_TIMEOUT_S:g}", **HEARTBEAT_ENV})):
             started.append(launch_server(c, log_dir, wait=False))
         for s in started:
             wait_server(s)
@@ -443,9 +451,17 @@ def test_late_write_base_corrupts_reused_pages(backend: str, log_dir: Path, mode
         f"{obs.want_excerpt}): {t}")
 
 
-@pytest.mark.parametrize("backend", LATE_WRITE_BACKENDS)
-def test_late_write_fork_keeps_reused_pages_clean(backend: str, log_dir: Path, model_path: Path,
-                                                  oracle: Oracle) -> None:
+@pytest.fixture(scope="module", params=LATE_WRITE_BACKENDS)
+def fork_trio(request, log_dir: Path, model_path: Path) -> Iterator[Trio]:
+    """One fork stack per backend for the late-write and the crash scenario (in that order:
+    the crash scenario kills one of its prefills)."""
+    with late_write_stack(request.param, log_dir, model_path, {}) as trio:
+        _assert_versions(trio, stock=False)
+        yield trio
+
+
+def test_late_write_fork_keeps_reused_pages_clean(fork_trio: Trio, model_path: Path,
+                                                  log_dir: Path, oracle: Oracle) -> None:
     """The installed fork: the same late write must not change B's answer.
 
     Proves that V's late write did not reach the request that owns its pages next (B's answer
@@ -453,9 +469,7 @@ def test_late_write_fork_keeps_reused_pages_clean(backend: str, log_dir: Path, m
     until the write drained, B waiting for them). Does not prove every late write is fenced
     (see the module docstring).
     """
-    with late_write_stack(backend, log_dir, model_path, {}) as trio:
-        _assert_versions(trio, stock=False)
-        obs = run_scenario(trio, oracle, model_path, f"fork-{backend}", seed=90092)
+    obs = run_scenario(fork_trio, oracle, model_path, f"fork-{fork_trio.backend}", seed=90092)
     _record(log_dir, obs)
     _assert_scenario_ran(obs)
     assert obs.b_status == 200, f"B was not served: {obs.timeline()}"
@@ -476,3 +490,95 @@ def test_late_write_fork_keeps_reused_pages_clean(backend: str, log_dir: Path, m
     assert obs.health_during.startswith("503") and "quarantine" in obs.health_during, t
     assert obs.health_after.startswith("200"), t
 
+
+
+@dataclass
+class CrashObservation:
+    """The prefill SIGKILLed while its write into V2's decode pages is held."""
+
+    v2_room: int
+    v2_decode_status: int = 0
+    v2_decode_error: str = ""
+    v2_answer_s: float | None = None  # seconds from the kill to V2's decode answer
+    peer_gone_release_s: float | None = None  # seconds from the kill to the quarantine release
+    b2_status: int = 0
+    b2_identical: bool = False
+    b2_refusals: list[str] = field(default_factory=list)
+    decode_alive: bool = False
+    other_prefill_alive: bool = False
+
+
+def run_crash_scenario(trio: Trio, oracle: Oracle, model_path: Path,
+                       seed: int) -> CrashObservation:
+    """V2 held in the prefill's transfer worker, that prefill SIGKILLed, B2 through the other."""
+    rng = random.Random(seed)
+    v2_ids = random_prompt(rng, V_LEN, model_path)
+    b2_ids = random_prompt(rng, B_LEN, model_path)
+    obs = CrashObservation(late_room(rng.randrange(ROOM_RANGE_WIDTH)))
+    want = oracle.expected(b2_ids, B_NEW)
+    gone0 = metric_total(trio.decode.url, "sglang:pdsafe_quarantine_released_peer_gone_total")
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": trio.held.bootstrap_port,
+            "bootstrap_room": obs.v2_room}
+
+    def v2_leg(url: str) -> GenResult:
+        try:
+            return generate(url, v2_ids, V_NEW, timeout=CRASH_BOUND_S + 60,
+                            rid=f"crash-victim-{uuid.uuid4().hex}", **boot)
+        except requests.RequestException as e:
+            return GenResult(0, [], {"error": {"message": f"client gave up: {e}"}})
+
+    with ThreadPoolExecutor(2) as ex:
+        ex.submit(v2_leg, trio.held.url)
+        fd: Future[GenResult] = ex.submit(v2_leg, trio.decode.url)
+        _wait_for("the prefill to hold V2's write",
+                  lambda: _event(trio.held, obs.v2_room, "held"), 90)
+        t_kill = time.monotonic()
+        trio.held.process.kill()
+        rd = fd.result(timeout=CRASH_BOUND_S + 90)
+        obs.v2_answer_s = time.monotonic() - t_kill
+        obs.v2_decode_status = rd.status
+        obs.v2_decode_error = "" if rd.ok else rd.error_message
+        try:
+            _wait_for("the decode to release V2's pages (peer gone)", lambda: metric_total(
+                trio.decode.url, "sglang:pdsafe_quarantine_released_peer_gone_total") > gone0,
+                CRASH_BOUND_S, step=0.5)
+            obs.peer_gone_release_s = time.monotonic() - t_kill
+        except AssertionError:
+            pass
+    room = traced_room(rng.randrange(ROOM_RANGE_WIDTH))
+    deadline = time.monotonic() + 30
+    while True:
+        _, rb = direct_pd_generate(trio.pair(trio.other), b2_ids, B_NEW, room=room, timeout=300)
+        if rb.ok or time.monotonic() > deadline:
+            break
+        obs.b2_refusals.append(f"HTTP {rb.status}: {rb.error_message[:160]}")
+        room = traced_room((room - traced_room(0) + 1) % ROOM_RANGE_WIDTH)
+        time.sleep(0.5)
+    obs.b2_status = rb.status
+    obs.b2_identical = rb.ok and rb.output_ids == want
+    obs.decode_alive = trio.decode.process.alive()
+    obs.other_prefill_alive = trio.other.process.alive()
+    return obs
+
+
+def test_crashed_prefill_pages_stay_quarantined_until_it_is_gone(
+        fork_trio: Trio, log_dir: Path, model_path: Path, oracle: Oracle) -> None:
+    """The fork, prefill SIGKILLed while its write into V2's decode pages is held: V2's client
+    gets an error within the bound; the pages are released only once the decode's heartbeat
+    declared that prefill gone (counted as peer-gone evidence, never by a timeout); a request
+    through the surviving prefill is then reference-identical and both survivors are up.
+
+    Does not show that a prefill alive but unreachable is handled (the heartbeat takes it for
+    gone; see ``sglang.pdsafe.quarantine``).
+    """
+    obs = run_crash_scenario(fork_trio, oracle, model_path, seed=90093)
+    out = log_dir / f"late-write-crash-{fork_trio.backend}.json"
+    out.write_text(json.dumps(asdict(obs), indent=1))
+    t = repr(obs)
+    assert obs.v2_decode_status != 200 and obs.v2_decode_error, (
+        f"V2's decode client was not told about the crash: {t}")
+    assert obs.v2_answer_s is not None and obs.v2_answer_s <= CRASH_BOUND_S, t
+    assert obs.peer_gone_release_s is not None, (
+        f"the decode never released V2's pages on the prefill's death: {t}")
+    assert obs.b2_status == 200 and obs.b2_identical, f"B2 was not served correctly: {t}"
+    assert obs.decode_alive and obs.other_prefill_alive, t

@@ -129,6 +129,16 @@ class ManagedProcess:
         except FileNotFoundError:
             return ""
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once, as a crash would (no cleanup runs)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(os.getpgid(self.proc.pid), signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.proc.wait(timeout=30)
+
     def stop(self, timeout: float = 20.0) -> None:
         """Stop the process and its whole process group (schedulers, detokenizer...)."""
         if self.proc is None:
