@@ -25,7 +25,7 @@ MARKERS = (
     b"SGLANG_PDSAFE_TEST_FAULTS",
     b"pdsafe-fault-",
     b"foreign_kv",
-    b"late_write",
+    b"LATE_ROOM_BASE",
     b"test_faults",
     b"pdsafe_testkit",
 )

@@ -437,6 +437,15 @@ def door(queue: Any, *, reentry: bool = False) -> Refusal | None:
     return Refusal(limit_message(q.status(pool_tokens)), LIMIT_STATUS)
 
 
+@guarded("quarantine.refused", FAILED, default=None)
+def refused(req: Any) -> None:
+    """The door refused ``req`` (already aborted by the caller): tell its prefill to drop the
+    room now (peer release), so its client gets the same 503 instead of waiting."""
+    from sglang.pdsafe import peer_notifier
+
+    peer_notifier.decode_rejected(req)
+
+
 def health_report(kv_mgr: Any, pool_tokens: int) -> dict[str, Any] | None:
     """The quarantine status of this decode (None when it holds nothing and is off-PD)."""
     q = getattr(kv_mgr, _REGISTRY_ATTR, None) if kv_mgr is not None else None
