@@ -47,6 +47,7 @@ ROWS=(
   "room-guard|0019|test/pd/test_room_guard.py -k mooncake"
   "room-guard-unit|0019|test/unit/test_room_guard.py"
   "quarantine-unit|0020|test/unit/test_quarantine.py"
+  "late-write|0020|test/pd/test_late_write.py -k fork_keeps"
   "write-fence-unit|0021|test/unit/test_write_fence.py"
 )
 
