@@ -60,6 +60,12 @@ def _parse(status: int, body: Any) -> Answer:
                   message=msg, finish_reason=(body.get("meta_info") or {}).get("finish_reason"))
 
 
+def parse_answer(status: int, body: Any) -> Answer:
+    """A non-streaming /generate answer (HTTP status, parsed JSON body) as the ``Answer``
+    ``send`` would make of it (in-band aborts included); for answers received elsewhere."""
+    return _parse(status, body)
+
+
 CHAT_PATH = "/v1/chat/completions"
 
 

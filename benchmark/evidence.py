@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -102,15 +103,21 @@ def counters_from(prefill: list[Sample], decode: list[Sample]) -> Counters:
     )
 
 
-def read_counters(prefill_url: str, decode_url: str) -> Counters:
-    """Scrape both servers' /metrics; ``complete`` is False if either could not be read."""
+def _urls(url: str | Sequence[str]) -> list[str]:
+    return [url] if isinstance(url, str) else list(url)
+
+
+def read_counters(prefill_url: str | Sequence[str], decode_url: str) -> Counters:
+    """Scrape both servers' /metrics (``prefill_url``: one prefill or several that share the
+    decode; their counters are summed); ``complete`` is False if any could not be read."""
     ok = True
     p: list[Sample] = []
     d: list[Sample] = []
-    try:
-        p = scrape(prefill_url, timeout=10)
-    except requests.RequestException:
-        ok = False
+    for url in _urls(prefill_url):
+        try:
+            p += scrape(url, timeout=10)
+        except requests.RequestException:
+            ok = False
     try:
         d = scrape(decode_url, timeout=10)
     except requests.RequestException:
@@ -181,8 +188,18 @@ def _load(url: str) -> dict[str, Any]:
     return out
 
 
-def reservations_once(prefill_url: str, decode_url: str, page_size: int) -> Reservations:
-    """One reading of both servers (fields stay None where a server did not answer)."""
+def _sum_loads(urls: Sequence[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for url in urls:
+        for k, v in _load(url).items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def reservations_once(prefill_url: str | Sequence[str], decode_url: str,
+                      page_size: int) -> Reservations:
+    """One reading of both sides (fields stay None where a server did not answer;
+    ``prefill_url``: one prefill or several that share the decode, summed)."""
     res = Reservations()
     errors = []
     try:
@@ -196,7 +213,7 @@ def reservations_once(prefill_url: str, decode_url: str, page_size: int) -> Rese
     except (requests.RequestException, ValueError) as e:
         errors.append(f"decode: {e}")
     try:
-        p = _load(prefill_url)
+        p = _sum_loads(_urls(prefill_url))
         res.prefill_used_tokens = int(p["used"])
         res.prefill_pages = math.ceil(p["used"] / max(1, page_size))
         res.prefill_bootstrap_queue = int(p["prefill_bootstrap_queue_reqs"])
@@ -207,7 +224,7 @@ def reservations_once(prefill_url: str, decode_url: str, page_size: int) -> Rese
     return res
 
 
-def reservations_after(prefill_url: str, decode_url: str, page_size: int, *,
+def reservations_after(prefill_url: str | Sequence[str], decode_url: str, page_size: int, *,
                        settle_s: float, poll_s: float = 0.5) -> Reservations:
     """Poll until both servers hold nothing, or ``settle_s`` passed; the last reading. A
     server that does not answer at all ends the polling (it will not settle)."""

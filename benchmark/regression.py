@@ -181,12 +181,16 @@ def run_scenario(s: Scenario, target: PDTarget, ref: Reference, knobs: Knobs,
     cell.records, cell.phases, cell.notes = ctx.records, ctx.phases, ctx.notes
     cell.notes += ref.failures
     ref.failures.clear()
-    cell.servers_down = target.down()
+    down = target.down()
+    cell.servers_down = [r for r in down if r not in target.killed]
     if cell.servers_down:
         cell.notes.append(f"server(s) down after the scenario: {cell.servers_down} "
                           f"(logs: {target.logs()})")
+    if target.killed:
+        cell.notes.append(f"killed by the scenario on purpose (not a crash; the stack is "
+                          f"restarted before any later scenario): {sorted(target.killed)}")
     try:
-        cell.reservations = reservations_after(target.prefill_url, target.decode_url,
+        cell.reservations = reservations_after(target.live_prefill_urls(), target.decode_url,
                                                target.page_size,
                                                settle_s=knobs.settle_s).to_json()
     except Exception as e:  # noqa: BLE001

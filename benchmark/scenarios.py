@@ -13,7 +13,10 @@ checked against the transfer counters (``evidence``). Victim requests carry cana
 (``canary``) so a leak names whose content showed up where.
 
 Invariant: a scenario function only sends requests and reads state; it never changes the
-servers' configuration, so a deployment target sees exactly what clients could do.
+servers' configuration, so a deployment target sees exactly what clients could do. The
+exceptions are harness only (never ``deployment_ok``): the scenarios of the ``late_write`` stack
+run against servers armed with the testkit's test-only ``late_write`` fault, and
+``crash-prefill-mid-transfer`` SIGKILLs one of that stack's prefills (``PDTarget.killed``).
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdsafe_testkit.servers import generate
+from pdsafe_testkit.servers import GenResult, generate
 
 from benchmark import client
 from benchmark.evidence import Counters, read_counters
@@ -38,6 +41,9 @@ from benchmark.outcomes import (
     classify,
 )
 from benchmark.targets import CHAT_SUFFIX, CTX_DIV_PREFILL_CONTEXT, PDTarget
+
+if TYPE_CHECKING:
+    from pdsafe_testkit.late_write import Trio
 
 #: The fake-transfer bootstrap host of upstream (``disaggregation/utils.py``
 #: ``FAKE_BOOTSTRAP_HOST``); hard-coded so the benchmark does not import the server package.
@@ -214,22 +220,33 @@ class Ctx:
             return job.answer
 
         with ThreadPoolExecutor(max_workers=width) as ex:
-            answers = list(ex.map(run, jobs))
-        wall = time.monotonic() - t0
-        recs = [self._judge(name, j, a) for j, a in zip(jobs, answers, strict=True)]
+            list(ex.map(run, jobs))
+        return self.judge_phase(name, jobs, before=before, wall_s=time.monotonic() - t0,
+                                judge=judge)
+
+    def judge_phase(self, name: str, jobs: Sequence[Job], *, before: Counters,
+                    wall_s: float, prefill_urls: Sequence[str] | None = None,
+                    judge: bool = True) -> list[RequestRecord]:
+        """Judge jobs whose ``answer`` is already set (sent by the caller, e.g. a scenario's
+        own choreography), record the phase, charge unproven transfers against the counters
+        moved since ``before`` (read on ``prefill_urls``, default the target's prefill)."""
+        recs = [self._judge(name, j, j.answer or Answer(status=None, transport_error="not sent"))
+                for j in jobs]
         n_ident = sum(r.outcome is Outcome.IDENTICAL for r in recs)
-        delta = self._await_evidence(before, n_ident)
+        delta = self._await_evidence(before, n_ident, prefill_urls)
         short = apply_evidence(recs, delta.proven) if judge else 0
-        self.phases.append({"phase": name, "sent": len(jobs), "wall_s": round(wall, 3),
+        self.phases.append({"phase": name, "sent": len(jobs), "wall_s": round(wall_s, 3),
                             "transfers": delta.to_json(), "unproven": short})
         self.records.extend(recs)
         return recs
 
-    def _await_evidence(self, before: Counters, n_ident: int) -> Counters:
+    def _await_evidence(self, before: Counters, n_ident: int,
+                        prefill_urls: Sequence[str] | None = None) -> Counters:
         t = self.target
+        prefills = list(prefill_urls) if prefill_urls is not None else t.prefill_url
         deadline = time.monotonic() + self.knobs.evidence_wait_s
         while True:
-            delta = read_counters(t.prefill_url, t.decode_url).minus(before)
+            delta = read_counters(prefills, t.decode_url).minus(before)
             if delta.proven >= n_ident or time.monotonic() >= deadline:
                 return delta
             time.sleep(0.25)
@@ -555,6 +572,221 @@ def divergence_chat_template(ctx: Ctx) -> None:
     _after(ctx, ctx.knobs.victims, limit)
 
 
+# ----------------------------------------------------------------------------- late writes
+#
+# The three scenarios below run on the ``late_write`` stack (``targets.LATE_HOLDS_S``) and reuse
+# ``pdsafe_testkit.late_write`` (the CI test's mechanics: test/pd/test_late_write.py), imported
+# inside the functions: only the harness has the testkit's fault plugin armed, and these
+# scenarios are never ``deployment_ok``. The choreography sends its own requests (timed against
+# log events of the fault); its answers are judged here like every other request.
+
+
+class ScenarioNotAsDesigned(RuntimeError):
+    """The choreography did not happen as designed (e.g. the abort reached the prefill after the
+    write): the cell becomes ``error`` with this reason; the requests judged so far stay in it."""
+
+
+def answer_of(r: GenResult, e2e_s: float | None = None) -> Answer:
+    """A testkit ``GenResult`` as the ``Answer`` the client saw: no answer within the client's
+    bound is a hang, status 0 a failed connection, anything else parsed like ``client.send``
+    parses a body (in-band aborts included)."""
+    if r.timed_out:
+        return Answer(status=None, timed_out=True, e2e_s=e2e_s)
+    if r.status == 0:
+        return Answer(status=None, transport_error=r.error_message, e2e_s=e2e_s)
+    a = client.parse_answer(r.status, r.body)
+    a.e2e_s = e2e_s
+    return a
+
+
+def _answered_job(label: str, path: str, prompt: list[int], max_new: int, canary: int | None,
+                  ans: Answer, prefill: GenResult | None = None) -> Job:
+    """A ``Job`` for a request the scenario already sent (``answer`` set, nothing to call)."""
+    job = Job(label, path, prompt, max_new, lambda: ans, canary, answer=ans)
+    if prefill is not None:
+        job.side["prefill"] = (prefill.status, "" if prefill.ok else prefill.error_message[:200],
+                               prefill.timed_out)
+    return job
+
+
+def _late_answer(r: GenResult | None, answer_s: float | None, bound_s: float,
+                 what: str) -> Answer:
+    """A victim's decode answer, judged against the bound counted from the moment the fault
+    acted (the abort or the kill), not from the send (the victim's prefill takes seconds)."""
+    if r is None:
+        return Answer(status=None, transport_error=f"{what}: no answer recorded")
+    if answer_s is not None and answer_s > bound_s:
+        return Answer(status=None, timed_out=True, e2e_s=answer_s)
+    return answer_of(r, answer_s)
+
+
+def _trio(ctx: Ctx) -> Trio:
+    trio = ctx.target.trio
+    if trio is None:
+        raise RuntimeError("this scenario needs the late_write stack (harness only)")
+    return trio
+
+
+def _late_write(ctx: Ctx, via: str, *, past_timeout: bool) -> None:
+    """``late-write-*``: the victim through prefill ``via`` (``held`` or ``other`` of the
+    stack), the canary through the other one; see the two scenarios' docstrings."""
+    from pdsafe_testkit import late_write as lw
+
+    trio = _trio(ctx)
+    vp, bp = (trio.held, trio.other) if via == "held" else (trio.other, trio.held)
+    hold = trio.hold_of(vp)
+    if (hold > lw.RELEASE_TIMEOUT_S) != past_timeout:
+        raise ScenarioNotAsDesigned(
+            f"the victim's prefill holds {hold:g}s, upstream's release timeout is "
+            f"{lw.RELEASE_TIMEOUT_S:g}s: this scenario needs the hold "
+            f"{'past' if past_timeout else 'within'} it (targets.LATE_HOLDS_S)")
+    v_owner, v_ids = ctx.canary("late-victim", lw.V_LEN)
+    b_owner, b_ids = ctx.canary("canary-B", lw.B_LEN)
+    ctx.ref.expected(v_ids, lw.V_NEW)  # memoized before any PD traffic (B's: by the testkit)
+    v_room, b_room = lw.random_rooms(ctx.rng)
+    prefills = [trio.held.url, trio.other.url]
+    before = read_counters(prefills, trio.decode.url)
+    t0 = time.monotonic()
+    obs = lw.run_late_write(
+        trio, v_ids, b_ids, expected=ctx.ref.expected, variant=ctx.target.variant,
+        v_room=v_room, b_room=b_room, victim_via=vp, canary_via=bp,
+        v_answer_bound_s=max(ctx.knobs.bound_s, 60.0) + 30, b_timeout_s=ctx.knobs.bound_s)
+    wall = time.monotonic() - t0
+    jobs = [_answered_job("late-victim", "pd-direct (aborted on decode)", v_ids, lw.V_NEW,
+                          v_owner, _late_answer(obs.v_result, obs.v_answer_s,
+                                                ctx.knobs.bound_s, "late-victim"),
+                          obs.v_prefill_result)]
+    for k, att in enumerate(obs.attempts):
+        jobs.append(_answered_job(f"canary-B-try{k}", "pd-direct", b_ids, lw.B_NEW, b_owner,
+                                  answer_of(att.decode, att.e2e_s), att.prefill))
+    ctx.on_request(len(jobs))
+    ctx.judge_phase("late-write", jobs, before=before, wall_s=wall, prefill_urls=prefills)
+    roles = {id(s): r for r, s in trio.servers().items()}
+    ctx.notes.append(f"victim via {roles[id(vp)]} (holds late writes {hold:g}s), canary via "
+                     f"{roles[id(bp)]}; upstream's release timeout {lw.RELEASE_TIMEOUT_S:g}s")
+    ctx.notes.append("timeline: " + obs.timeline())
+    late_after_abort = (None if obs.t_late_write is None
+                        else round(obs.t_late_write - obs.t_abort, 2))
+    ctx.notes.append(
+        f"V's late write landed {late_after_abort}s after the abort; decode deferred releases "
+        f"(upstream counter, by outcome) {obs.release_deltas}; sglang:pdsafe_* quarantine "
+        f"deltas {obs.metric_deltas}; B refused {len(obs.b_refusals)} times "
+        f"{obs.b_refusals[:1]}; B's prompt pages overlap V's: {obs.overlap} of "
+        f"{len(obs.b_prompt_pages)}; /health while refused {obs.health_during[:120]!r}, "
+        f"after {obs.health_after[:60]!r}")
+    problems = lw.design_problems(obs)
+    if late_after_abort is not None and (late_after_abort > lw.RELEASE_TIMEOUT_S) != past_timeout:
+        problems.append(f"the late write landed {late_after_abort}s after the abort, "
+                        f"{'within' if past_timeout else 'past'} upstream's "
+                        f"{lw.RELEASE_TIMEOUT_S:g}s release timeout")
+    if obs.b_prompt_pages and not obs.overlap:
+        problems.append("B got none of V's pages (the page-reuse assumption broke)")
+    if problems:
+        raise ScenarioNotAsDesigned("; ".join(problems))
+
+
+def late_write_past_release_timeout(ctx: Ctx) -> None:
+    """A KV write held past decode's abort AND past upstream's deferred-release timeout
+    (shortened to 2 s; the write lands 6 s after it began), the CI test's scenario
+    (test/pd/test_late_write.py, ``pdsafe_testkit.late_write.run_late_write``).
+
+    Victim V (3500 canary tokens) goes to the prefill that holds its write and to the decode;
+    once the prefill logs the held write, V is aborted on the decode (``/abort_request``). 1.5 s
+    before the write lands, canary B (700 tokens, 1500 generated) goes through the second
+    prefill; the pool sizes force B onto V's pages. Stock 0.5.23 frees V's pages on its timeout
+    without the prefill's drain ACK, serves B at once, and the late write lands in B's pages
+    while B decodes: a leak is B's HTTP 200 answer carrying V's tokens (the report names
+    ``late-victim``). Expected: B reference-identical, explicit refusals before that allowed
+    (the fork quarantines V's pages until the drain ACK and refuses new requests with 503 while
+    the quarantine is over its limit; the retries are counted as explicit errors). V's own
+    answer is an explicit error (it was aborted). Probes UPSTREAM-GAPS "fail-open drain
+    timeout" (distributed use-after-free). The cell is an ``error`` (not a pass) when the
+    choreography did not happen: the write not past the abort and the timeout, B not on V's
+    pages. Does not prove every late write is fenced: not the aux/metadata slot, the staging
+    ring, prefill source pages, a quarantine below the admission limit, other holds.
+    """
+    _late_write(ctx, "held", past_timeout=True)
+
+
+def late_write_past_abort(ctx: Ctx) -> None:
+    """A KV write held past decode's abort but landing WITHIN upstream's deferred-release
+    timeout (held 1 s, timeout 2 s): the same choreography as
+    ``late-write-past-release-timeout`` with the victim through the stack's other prefill,
+    whose fault holds late writes 1 s.
+
+    Upstream keeps an aborted request's pages until every prefill rank's drain ACK, which
+    follows the held write, so stock 0.5.23 is expected safe here: canary B waits for the pages
+    (stock: in its pre-allocation queue; the fork: refused with 503 while V's quarantine is
+    over its limit) and gets them after the write drained. A leak would be B's HTTP 200 answer
+    with V's tokens: a late write landing in pages released before the drain. The control of
+    the late-write family: it shows that the leak of the other scenario comes from the
+    fail-open timeout, not from the abort itself, and that the fork's quarantine releases on
+    the ACK without the overdue alarm. The cell is an ``error`` when the write did not land
+    after the abort and before the timeout, or B did not get V's pages. Does not prove that
+    upstream's ACK accounting is right for several prefill ranks or chunked transfers (one
+    rank, one chunk here), nor anything about writes that outlive the timeout (the other
+    scenario).
+    """
+    _late_write(ctx, "other", past_timeout=False)
+
+
+def crash_prefill_mid_transfer(ctx: Ctx) -> None:
+    """The prefill SIGKILLed (its whole process group) while its write of victim V2's KV is
+    held in its transfer worker (past the worker's abort check, before the write posts), the
+    CI test's crash scenario (``pdsafe_testkit.late_write.run_crash``); then canary B2 through
+    the surviving prefill, on V2's pages.
+
+    Judged: V2's decode answer (expected: an explicit error once the decode's heartbeat,
+    1 s x 2 misses here, declares the prefill gone; a hang if none within the bound from the
+    kill) and B2 (expected reference-identical; retried while refused). A leak would be B2's
+    HTTP 200 answer with V2's tokens (a partial transfer committed, or pages handed over while
+    a writer still writes). Notes: the decode's deferred-release outcome (upstream counter;
+    the fork counts its peer-gone release there as ``timeout``), the fork's peer-gone releases,
+    the seconds from the kill. The killed prefill is not reported as a crash; the decode or the
+    surviving prefill dying is. Upstream is not known unsafe here: a SIGKILLed writer writes
+    nothing late, so stock is expected reference-identical too. Does not cover a prefill alive
+    but unreachable (the unsafe case for a timeout release), a kill during the byte transfer
+    itself, or a prefill restart. Runs last on its stack (the stack is restarted before any
+    later scenario).
+    """
+    from pdsafe_testkit import late_write as lw
+
+    trio = _trio(ctx)
+    v_owner, v_ids = ctx.canary("crash-victim", lw.V_LEN)
+    b_owner, b_ids = ctx.canary("canary-B2", lw.B_LEN)
+    ctx.ref.expected(v_ids, lw.V_NEW)
+    v_room, b_room = lw.random_rooms(ctx.rng)
+    survivor = [trio.other.url]
+    before = read_counters(survivor, trio.decode.url)
+    ctx.target.killed.add("prefill-held")  # before the kill: a failure after it is no crash
+    t0 = time.monotonic()
+    obs = lw.run_crash(trio, v_ids, b_ids, expected=ctx.ref.expected, v2_room=v_room,
+                       b2_room=b_room, release_metric=lw.DEFERRED_RELEASE_METRIC,
+                       release_bound_s=ctx.knobs.bound_s,
+                       v_timeout_s=max(ctx.knobs.bound_s, 60.0) + 60,
+                       b_timeout_s=ctx.knobs.bound_s)
+    wall = time.monotonic() - t0
+    jobs = [_answered_job("crash-victim", "pd-direct (prefill killed)", v_ids, lw.V_NEW,
+                          v_owner, _late_answer(obs.v2_result, obs.v2_answer_s,
+                                                ctx.knobs.bound_s, "crash-victim"))]
+    for k, att in enumerate(obs.attempts):
+        jobs.append(_answered_job(f"canary-B2-try{k}", "pd-direct (surviving prefill)", b_ids,
+                                  lw.B_NEW, b_owner, answer_of(att.decode, att.e2e_s),
+                                  att.prefill))
+    ctx.on_request(len(jobs))
+    ctx.judge_phase("crash", jobs, before=before, wall_s=wall, prefill_urls=survivor)
+    ctx.notes.append(
+        f"prefill-held SIGKILLed while holding V2's write; V2's decode answered "
+        f"{obs.v2_answer_s if obs.v2_answer_s is None else round(obs.v2_answer_s, 2)}s after "
+        f"the kill (HTTP {obs.v2_decode_status}: {obs.v2_decode_error[:160]!r}); V2's pages "
+        f"released (upstream deferred-release counter moved) "
+        f"{'never within the bound' if obs.release_s is None else f'{obs.release_s:.2f}s'} "
+        f"after the kill, by outcome {obs.release_deltas}; fork peer-gone releases "
+        f"{obs.peer_gone_delta:g}; B2 refused {len(obs.b2_refusals)} times "
+        f"{obs.b2_refusals[:1]}; decode alive {obs.decode_alive}, surviving prefill alive "
+        f"{obs.other_prefill_alive}")
+
+
 _FAULT_HOOKS = ("needs a test-only fault hook of the {stage} stage (pdsafe_testkit.faults plugin) "
                 "that is not there yet; the scenario is registered so the report shows the gap")
 
@@ -601,17 +833,16 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
                           ("after-transfer-before-commit", "the window after the transfer and "
                                                            "before decode commits"),
                           ("during-decode", "decoding"))),
-    _planned("late-write-past-abort", "late-write",
-             "A transfer held (test fault) until after decode aborted the request and reused its "
-             "pages. A leak: the late write lands in the new owner's pages.", "ownership"),
-    _planned("late-write-past-release-timeout", "late-write",
-             "A transfer held past upstream's deferred-release timeout (shortened for the run): "
-             "the fail-open timeout frees pages the writer still targets.", "ownership"),
-    _planned("crash-prefill-mid-transfer", "crash",
-             "Prefill killed while writing a request's KV. A leak: decode commits a partial "
-             "transfer; a hang: decode waits for a dead peer.", "ownership",
-             reason="needs a prefill restart inside the harness and a hold-transfer fault hook "
-                    "of the ownership stage (not there yet)"),
+    # The late_write stack (two prefills armed with the test-only late_write fault, harness
+    # only). Full matrix only (in_quick=False): the stack and the three scenarios would push
+    # --quick past its 10-minute budget (docs/benchmark.md, measured). The crash scenario
+    # runs last on the stack: it kills one of its prefills.
+    Scenario("late-write-past-release-timeout", "late-write", "late_write",
+             late_write_past_release_timeout, known_unsafe_upstream=True, in_quick=False),
+    Scenario("late-write-past-abort", "late-write", "late_write", late_write_past_abort,
+             in_quick=False),
+    Scenario("crash-prefill-mid-transfer", "crash", "late_write", crash_prefill_mid_transfer,
+             in_quick=False),
     *(_planned(f"corruption-{what}", "corruption",
                f"Bytes of transferred KV changed in flight ({desc}), a test-only fault only the "
                "checksum can catch. A leak: an answer from corrupted KV with HTTP 200.",

@@ -10,6 +10,10 @@ Two ways to get one:
 * an existing deployment (``deployment_target``): URLs given on the command line; nothing is
   started, restarted or reconfigured, so only scenarios marked ``deployment_ok`` run there.
 
+The ``late_write`` stack kind is the only one that arms a test-only fault (the testkit's
+``late_write`` plugin, ``pdsafe_testkit.late_write``, imported only when that stack starts):
+harness only, never in deployment mode.
+
 Invariant: a target's ``variant`` is what its servers report: a ``base`` target whose servers
 report a ``+pdsafe`` version (or a ``fork`` target whose servers do not) raises
 ``VariantMismatch`` before any request is judged.
@@ -19,9 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import requests
@@ -37,6 +42,9 @@ from pdsafe_testkit.servers import (
 
 from benchmark.base_tree import BaseTree
 from benchmark.canary import CanaryBook
+
+if TYPE_CHECKING:
+    from pdsafe_testkit.late_write import Trio
 
 FORK_LABEL = "+pdsafe"
 REFERENCE_POOL = 8192
@@ -59,7 +67,10 @@ class StackKind:
     (``chat_template_text(CHAT_SUFFIX[role])``: decode renders 3 tokens more than prefill).
     ``router``: False for stacks whose legs may refuse to pair (the harness's router start
     waits for one successful generation); requests then go to both legs directly, which is
-    what the router does."""
+    what the router does. ``late_write_trio``: the stack is ``pdsafe_testkit.late_write``'s
+    (two prefills armed with the test-only ``late_write`` fault, holds ``LATE_HOLDS_S``, one
+    decode with upstream's release timeout shortened; pools and context are that module's
+    ``PREFILL_POOL`` / ``POOL``, repeated here for the table), no router."""
 
     name: str
     prefill_pool: int
@@ -70,6 +81,7 @@ class StackKind:
     doc: str = ""
     contexts: tuple[int, int] | None = None
     chat_templates: bool = False
+    late_write_trio: bool = False
 
     def context_length(self, role: str) -> int:
         if self.contexts is not None:
@@ -89,6 +101,14 @@ CTX_DIV_PREFILL_CONTEXT = 106
 #: suffix 3 tokens longer than prefill's, so decode reserves 3 positions prefill never writes.
 CHAT_SUFFIX: dict[str, tuple[int, ...]] = {"prefill": (508, 509),
                                            "decode": (508, 509, 510, 511, 508)}
+
+#: How long each prefill of the ``late_write`` stack holds a late room's KV writes (its
+#: ``SGLANG_PDSAFE_TEST_FAULTS=late_write:S``): ``held`` past upstream's shortened release
+#: timeout (``pdsafe_testkit.late_write.RELEASE_TIMEOUT_S`` = 2 s; the CI test's 6 s), ``other``
+#: past decode's abort but within that timeout. late-write-past-release-timeout sends its
+#: victim through ``held``, late-write-past-abort through ``other``, each its canary through the
+#: other prefill (a traced room: never delayed).
+LATE_HOLDS_S: dict[str, float] = {"held": 6.0, "other": 1.0}
 
 
 def chat_template_text(suffix: tuple[int, ...], words: dict[int, str]) -> str:
@@ -121,6 +141,14 @@ STACK_KINDS: dict[str, StackKind] = {k.name: k for k in (
     StackKind("tpl_div", 1024, 1024, router=False, chat_templates=True,
               doc="equal 1024-token pools and context, each leg its own --chat-template "
                   "(decode's renders 3 tokens more); requests sent to both legs directly"),
+    StackKind("late_write", 8192, 4096, router=False, contexts=(4096, 4096),
+              late_write_trio=True,
+              doc="pdsafe_testkit.late_write's stack: two prefills (pool 8192, one chunk per "
+                  "prompt) armed with the test-only fault SGLANG_PDSAFE_TEST_FAULTS="
+                  f"late_write:{LATE_HOLDS_S['held']:g} and late_write:"
+                  f"{LATE_HOLDS_S['other']:g}, one decode (pool 4096 = context, "
+                  "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=2, heartbeat 1 s x 2, "
+                  "--skip-server-warmup); requests sent to the legs directly"),
 )}
 
 
@@ -200,6 +228,12 @@ class PDTarget:
     book: CanaryBook
     stack: PDStack | None = None
     notes: list[str] = field(default_factory=list)
+    #: The ``late_write`` stack's servers (harness only); ``prefill_url`` is then its ``other``
+    #: prefill, and ``down``/``logs`` cover all three servers.
+    trio: Trio | None = None
+    #: Roles a scenario killed on purpose (``crash-prefill-mid-transfer``): still reported by
+    #: ``down`` (the stack must be restarted before another scenario), but not a crash.
+    killed: set[str] = field(default_factory=set)
 
     def words(self) -> dict[int, str]:
         """id -> word of the served model's word-level vocabulary (harness targets only: the
@@ -216,13 +250,25 @@ class PDTarget:
     def limits(self) -> dict[str, SideLimits]:
         return {"prefill": side_limits(self.prefill_url), "decode": side_limits(self.decode_url)}
 
-    def down(self) -> list[str]:
-        """The roles (prefill, decode, router) whose /health does not answer 200 now."""
+    def urls(self) -> dict[str, str]:
+        """Role -> URL of every server of the target (the reference not included)."""
+        if self.trio is not None:
+            return {role: s.url for role, s in self.trio.servers().items()}
         urls = {"prefill": self.prefill_url, "decode": self.decode_url}
         if self.router_url:
             urls["router"] = self.router_url
+        return urls
+
+    def live_prefill_urls(self) -> list[str]:
+        """The prefills not killed on purpose (every prefill of a ``late_write`` stack)."""
+        return [u for role, u in self.urls().items()
+                if role.startswith("prefill") and role not in self.killed]
+
+    def down(self) -> list[str]:
+        """The roles (prefill, decode, router; ``prefill-held``, ``prefill-other``, decode on a
+        ``late_write`` stack) whose /health does not answer 200 now."""
         out = []
-        for role, u in urls.items():
+        for role, u in self.urls().items():
             try:
                 if requests.get(u + "/health", timeout=10).status_code != 200:
                     out.append(role)
@@ -234,6 +280,8 @@ class PDTarget:
         return not self.down()
 
     def logs(self) -> dict[str, str]:
+        if self.trio is not None:
+            return {role: str(s.process.log_path) for role, s in self.trio.servers().items()}
         if self.stack is None:
             return {}
         out = {"prefill": str(self.stack.prefill.process.log_path),
@@ -294,6 +342,10 @@ class Harness:
     def stack(self, variant: str, backend: str, page_size: int, kind: str):
         """Start one PD stack of ``kind`` for ``variant``; yield its ``PDTarget``; stop it."""
         k = STACK_KINDS[kind]
+        if k.late_write_trio:
+            with self._late_write_stack(variant, backend, page_size, kind) as target:
+                yield target
+            return
 
         def cfg(role: str, pool: int) -> ServerConfig:
             extra: list[str] = []
@@ -315,6 +367,23 @@ class Harness:
             yield PDTarget(variant, backend, page_size, kind, st.prefill.url, st.decode.url,
                            st.router.url if st.router else None, "127.0.0.1",
                            st.prefill.bootstrap_port, versions, CanaryBook(self.vocab), st)
+
+    @contextlib.contextmanager
+    def _late_write_stack(self, variant: str, backend: str, page_size: int,
+                          kind: str) -> Iterator[PDTarget]:
+        """The ``late_write`` stack (``pdsafe_testkit.late_write.late_write_stack``): the
+        test-only fault is armed here, on harness servers only."""
+        from pdsafe_testkit.late_write import late_write_stack
+
+        with late_write_stack(backend, self.log_dir, self.model, self.env(variant),
+                              held_s=LATE_HOLDS_S["held"], other_s=LATE_HOLDS_S["other"],
+                              page_size=page_size) as trio:
+            versions = verify_variant({"prefill": trio.held.url, "prefill_other": trio.other.url,
+                                       "decode": trio.decode.url}, variant)
+            assert trio.other.bootstrap_port is not None
+            yield PDTarget(variant, backend, page_size, kind, trio.other.url, trio.decode.url,
+                           None, "127.0.0.1", trio.other.bootstrap_port, versions,
+                           CanaryBook(self.vocab), trio.pair(trio.other), trio=trio)
 
 
 def deployment_target(prefill: str, decode: str, router: str | None, *,
@@ -362,6 +431,7 @@ def wait_until(pred, timeout: float, poll: float = 0.5) -> bool:
     return pred()
 
 
-__all__ = ["CHAT_SUFFIX", "CTX_DIV_PREFILL_CONTEXT", "STACK_KINDS", "Harness", "PDTarget",
+__all__ = ["CHAT_SUFFIX", "CTX_DIV_PREFILL_CONTEXT", "LATE_HOLDS_S", "STACK_KINDS", "Harness",
+           "PDTarget",
            "SideLimits", "StackKind", "StartupError", "VariantMismatch", "chat_template_text",
            "deployment_target", "side_limits", "variant_of", "verify_variant", "word_vocab"]

@@ -7,6 +7,10 @@ drained), but frees them anyway after ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV
 (30 s; 2 s here). A write still in flight then lands in freed pages: a distributed
 use-after-free. This test makes one happen and judges the request that owns the pages by then.
 
+The mechanics (the stack, the choreography below, the crash) live in ``pdsafe_testkit.late_write``,
+shared with the regression benchmark (``late-write-*``, ``crash-prefill-mid-transfer``); this
+file picks the prompts, rooms and seeds and asserts on what those functions observe.
+
 Setup, per variant (a fresh stack each, no other traffic): one decode server (release timeout
 2 s, KV pool = context = ``POOL`` tokens, page size 1, ``--skip-server-warmup`` so that the first
 request gets the first pages), prefill ``held`` whose transfer worker holds every KV write of
@@ -64,38 +68,26 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
-import uuid
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import requests
 from pdsafe_testkit.backends import BACKENDS
-from pdsafe_testkit.faults import ENV as FAULT_ENV
-from pdsafe_testkit.faults import (
-    ROOM_RANGE_WIDTH,
-    LateWriteEvent,
-    late_room,
-    parse_late_write_log,
-    traced_room,
+from pdsafe_testkit.late_write import (
+    B_LEN,
+    CRASH_BOUND_S,
+    PEER_GONE_METRIC,
+    V_LEN,
+    CrashObservation,
+    Observation,
+    Trio,
+    design_problems,
+    late_write_stack,
+    random_rooms,
+    run_crash,
+    run_late_write,
 )
-from pdsafe_testkit.metrics import metric_total
 from pdsafe_testkit.oracle import Oracle, random_prompt
-from pdsafe_testkit.servers import (
-    GenResult,
-    PDStack,
-    ServerConfig,
-    SGLangServer,
-    direct_pd_generate,
-    generate,
-    launch_server,
-    wait_server,
-)
 
 pytestmark = pytest.mark.server
 
@@ -104,80 +96,9 @@ pytestmark = pytest.mark.server
 LATE_WRITE_BACKENDS: tuple[str, ...] = tuple(
     b for b in os.environ.get("PDSAFE_LATE_WRITE_BACKENDS", "mooncake").split(",")
     if b in BACKENDS)
-#: How long the prefill holds each KV write of a late room.
-SECONDS_LATE = 6.0
-#: Upstream's deferred-release timeout, shortened (default 30 s).
-RELEASE_TIMEOUT_S = 2.0
-RELEASE_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
-#: Decode KV pool = context length = the tiny model's max positions; page size 1.
-POOL = 4096
-PREFILL_POOL = 8192
-V_LEN, V_NEW = 3500, 8
-B_LEN, B_NEW = 700, 1500
-#: B is sent this long before the held write lands: time for B's prefill, transfer and commit.
-LEAD_S = 1.5
-#: How long after the held write was due B is retried while the decode refuses it explicitly.
-B_RETRY_S = 30.0
 #: Consecutive tokens of V's prompt that must appear in B's wrong answer (random prompts over a
 #: 508-token vocabulary: a chance run of 8 over the 64 x 3500 alignments checked is ~1e-16).
 EVIDENCE_RUN = 8
-#: The decode's upstream warning when it frees a held request's pages without the drain ack.
-RELEASE_LOG = "Deferred KV release for room {room} timed out"
-COPY_PERIOD = 16  # the tiny model copies the token 16 positions back
-
-assert POOL - V_LEN < B_LEN, "B's prompt must not fit in pages the decode never used"
-assert B_LEN + B_NEW + COPY_PERIOD <= V_LEN, "V's pages must cover every position of B"
-assert V_LEN + 512 <= POOL and B_LEN + B_NEW + 512 <= POOL  # decode's reserved decode tokens
-
-
-@dataclass
-class Trio:
-    """The decode server, the prefill that holds late writes, and a second prefill."""
-
-    backend: str
-    held: SGLangServer
-    other: SGLangServer
-    decode: SGLangServer
-
-    def pair(self, prefill: SGLangServer) -> PDStack:
-        return PDStack(self.backend, prefill, self.decode, None)
-
-
-#: The decode probes each prefill's bootstrap server every second and declares it gone after
-#: two misses (upstream's defaults: 5 s, 2), so the crash scenario's bound stays short.
-HEARTBEAT_ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "1",
-                 "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}
-#: Longest the crash scenario may take from the SIGKILL to each of its outcomes.
-CRASH_BOUND_S = 60.0
-
-
-@contextmanager
-def late_write_stack(backend: str, log_dir: Path, model_path: Path,
-                     extra_env: dict[str, str]) -> Iterator[Trio]:
-    """Start the two prefills and the decode in parallel; stop all three on exit."""
-
-    def cfg(role: str, env: dict[str, str]) -> ServerConfig:
-        pool = PREFILL_POOL if role == "prefill" else POOL
-        # One chunk per prompt on the prefills (one held write covers all of V); no warmup
-        # request on the decode, so V's pages start at the decode's first page, as B's do.
-        extra = (["--chunked-prefill-size", str(PREFILL_POOL)] if role == "prefill"
-                 else ["--skip-server-warmup"])
-        return ServerConfig(role=role, model_path=model_path, backend=backend,
-                            max_total_tokens=pool, context_length=POOL, extra_args=extra,
-                            env={**extra_env, **env})
-
-    prefill_env = {FAULT_ENV: f"late_write:{SECONDS_LATE:g}"}
-    started: list[SGLangServer] = []
-    try:
-        for c in (cfg("prefill", prefill_env), cfg("prefill", prefill_env),
-                  cfg("decode", {RELEASE_ENV: f"{RELEASE_TIMEOUT_S:g}", **HEARTBEAT_ENV})):
-            started.append(launch_server(c, log_dir, wait=False))
-        for s in started:
-            wait_server(s)
-        yield Trio(backend, *started)
-    finally:
-        for s in reversed(started):
-            s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -189,220 +110,22 @@ def stock_env() -> dict[str, str]:
     return prepare_base_tree().env()
 
 
-def _wait_for(what: str, pred: Callable[[], Any], timeout: float, step: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(step)
-
-
-def _event(server: SGLangServer, room: int, kind: str) -> LateWriteEvent | None:
-    return next((e for e in parse_late_write_log(server.process.log_text())
-                 if e.room == room and e.event == kind), None)
-
-
-def _first_divergence(got: list[int], want: list[int]) -> int | None:
-    for i, (a, b) in enumerate(zip(got, want, strict=False)):
-        if a != b:
-            return i
-    return None if len(got) == len(want) else min(len(got), len(want))
-
-
-def _longest_run_from(tokens: list[int], source: list[int]) -> int:
-    """Length of the longest run of consecutive ``tokens`` that also occurs in ``source``."""
-    best = 0
-    n = len(source)
-    for start in range(len(tokens)):
-        for j in range(n):
-            k = 0
-            while start + k < len(tokens) and j + k < n and tokens[start + k] == source[j + k]:
-                k += 1
-            best = max(best, k)
-    return best
-
-
-@dataclass
-class Observation:
-    """What happened in one run of the scenario (times are wall-clock, ``time.time()``)."""
-
-    variant: str
-    v_room: int
-    b_room: int
-    v_abort_http: int = 0
-    v_decode_status: int = 0
-    v_decode_error: str = ""
-    t_held: float = 0.0
-    t_abort: float = 0.0
-    t_release_seen: float | None = None
-    t_b_sent: float = 0.0
-    b_refusals: list[str] = field(default_factory=list)
-    t_b_transfer: float | None = None
-    t_late_write: float | None = None
-    t_b_done: float = 0.0
-    v_status_at_write: str | None = None
-    v_pages: list[int] = field(default_factory=list)
-    b_prompt_pages: list[int] = field(default_factory=list)
-    b_status: int = 0
-    b_error: str = ""
-    b_len: int = 0
-    first_divergence: int | None = None
-    v_run_in_b: int = 0
-    reference_s: float = 0.0
-    got_excerpt: list[int] = field(default_factory=list)
-    want_excerpt: list[int] = field(default_factory=list)
-    #: The decode's /health while it refused B, and after B was served ("status: body").
-    health_during: str = ""
-    health_after: str = ""
-    #: Decode metric deltas over the scenario (sglang:pdsafe_* names without the prefix).
-    metric_deltas: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def overlap(self) -> int:
-        return len(set(self.v_pages) & set(self.b_prompt_pages))
-
-    @property
-    def b_identical(self) -> bool:
-        return self.b_status == 200 and self.first_divergence is None
-
-    def timeline(self) -> str:
-        def rel(t: float | None) -> str:
-            return "never" if t is None else f"{t - self.t_held:+.2f}s"
-
-        pages = (f"V's decode pages {_span(self.v_pages)}, B's prompt pages "
-                 f"{_span(self.b_prompt_pages)}, overlap {self.overlap}")
-        return (f"[{self.variant}] V held {rel(self.t_held)}, V aborted {rel(self.t_abort)} "
-                f"(HTTP {self.v_abort_http}; V's decode leg answered {self.v_decode_status}: "
-                f"{self.v_decode_error[:120]!r}), decode released V by timeout "
-                f"{rel(self.t_release_seen)}, B sent {rel(self.t_b_sent)} (refused "
-                f"{len(self.b_refusals)} times: {self.b_refusals[:1]}), B's KV written "
-                f"{rel(self.t_b_transfer)}, V's late write done {rel(self.t_late_write)} "
-                f"(V's room {self.v_status_at_write} on the prefill), B answered "
-                f"{rel(self.t_b_done)} (HTTP {self.b_status}, {self.b_len} tokens, first "
-                f"divergence from the reference at {self.first_divergence}, longest run of V's "
-                f"prompt in B's answer {self.v_run_in_b}); {pages}; reference took "
-                f"{self.reference_s:.1f}s for {B_NEW} tokens")
-
-
-def _span(pages: list[int]) -> str:
-    return f"{min(pages)}..{max(pages)} ({len(pages)})" if pages else "none"
-
-
-def _health(server: SGLangServer) -> str:
-    """``/health`` of ``server`` as "status: body" (the fork's 503 names its reason)."""
-    try:
-        r = requests.get(server.url + "/health", timeout=60)
-        return f"{r.status_code}: {r.text[:300]}"
-    except requests.RequestException as e:
-        return f"0: {e}"
-
-
-QUARANTINE_METRICS = ("quarantine_overdue_total", "quarantine_released_ack_total",
-                      "quarantine_limit_refused_total")
-
-
-def _send_b(trio: Trio, b_ids: list[int], obs: Observation) -> GenResult:
-    """Send B; while the decode refuses it with an explicit error (e.g. the fork's quarantine
-    over its limit), retry like a client told to retry, each time on a fresh traced room, for at
-    most ``B_RETRY_S`` after the held write was due. ``obs.b_room`` is the last attempt's room."""
-    deadline = obs.t_held + SECONDS_LATE + B_RETRY_S
-    while True:
-        _, rb = direct_pd_generate(trio.pair(trio.other), b_ids, B_NEW, room=obs.b_room,
-                                   timeout=300)
-        if rb.ok or not rb.error_message or time.time() > deadline:
-            return rb
-        obs.b_refusals.append(f"+{time.time() - obs.t_held:.2f}s HTTP {rb.status}: "
-                              f"{rb.error_message[:160]}")
-        if not obs.health_during:
-            obs.health_during = _health(trio.decode)
-        obs.b_room = traced_room((obs.b_room - traced_room(0) + 1) % ROOM_RANGE_WIDTH)
-        time.sleep(0.5)
-
-
 def run_scenario(trio: Trio, oracle: Oracle, model_path: Path, variant: str,
                  seed: int) -> Observation:
-    """Victim V aborted while its write is held, canary B on V's pages, the write lands."""
+    """Victim V aborted while its write is held, canary B on V's pages, the write lands
+    (``pdsafe_testkit.late_write.run_late_write``; random prompts over the whole vocabulary)."""
     rng = random.Random(seed)
     v_ids = random_prompt(rng, V_LEN, model_path)
     b_ids = random_prompt(rng, B_LEN, model_path)
-    obs = Observation(variant, late_room(rng.randrange(ROOM_RANGE_WIDTH)),
-                      traced_room(rng.randrange(ROOM_RANGE_WIDTH)))
-    t0 = time.monotonic()
-    want = oracle.expected(b_ids, B_NEW)  # before any PD traffic
-    obs.reference_s = time.monotonic() - t0
-
-    before = {m: metric_total(trio.decode.url, "sglang:pdsafe_" + m) for m in QUARANTINE_METRICS}
-    v_rid = f"late-victim-{uuid.uuid4().hex}"
-    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": trio.held.bootstrap_port,
-            "bootstrap_room": obs.v_room}
-
-    def v_leg(url: str) -> GenResult:
-        try:
-            return generate(url, v_ids, V_NEW, timeout=120, rid=v_rid, **boot)
-        except requests.RequestException as e:
-            return GenResult(0, [], {"error": {"message": f"client gave up: {e}"}})
-
-    with ThreadPoolExecutor(2) as ex:
-        fp: Future[GenResult] = ex.submit(v_leg, trio.held.url)
-        fd: Future[GenResult] = ex.submit(v_leg, trio.decode.url)
-        held = _wait_for("the prefill to hold V's write",
-                         lambda: _event(trio.held, obs.v_room, "held"), 90)
-        obs.t_held = held.at
-        obs.v_pages = sorted(held.pages)
-        obs.t_abort = time.time()
-        obs.v_abort_http = requests.post(trio.decode.url + "/abort_request",
-                                         json={"rid": v_rid}, timeout=30).status_code
-        rd = fd.result(timeout=60)
-        obs.v_decode_status = rd.status
-        obs.v_decode_error = "" if rd.ok else rd.error_message
-        # Watch for the decode's timeout release until B is due.
-        release_line = RELEASE_LOG.format(room=obs.v_room)
-        t_send = held.at + SECONDS_LATE - LEAD_S
-        while time.time() < t_send:
-            if obs.t_release_seen is None and release_line in trio.decode.process.log_text():
-                obs.t_release_seen = time.time()
-            time.sleep(0.05)
-        if obs.t_release_seen is None and release_line in trio.decode.process.log_text():
-            obs.t_release_seen = time.time()
-        obs.t_b_sent = time.time()
-        rb = _send_b(trio, b_ids, obs)
-        obs.t_b_done = time.time()
-        done = _wait_for("V's late write to land",
-                         lambda: _event(trio.held, obs.v_room, "done"),
-                         max(5.0, held.at + SECONDS_LATE + 30 - time.time()))
-        fp.result(timeout=120)
-    writing = _event(trio.held, obs.v_room, "writing")
-    obs.v_status_at_write = writing.status if writing else None
-    obs.t_late_write = done.at
-    traced = _event(trio.other, obs.b_room, "traced")
-    if traced is not None:
-        obs.t_b_transfer, obs.b_prompt_pages = traced.at, sorted(traced.pages)
-    if obs.t_release_seen is None and release_line in trio.decode.process.log_text():
-        obs.t_release_seen = time.time()  # released only after B was sent
-    obs.health_after = _health(trio.decode)
-    obs.metric_deltas = {m: metric_total(trio.decode.url, "sglang:pdsafe_" + m) - v
-                         for m, v in before.items()}
-    obs.b_status, obs.b_len = rb.status, len(rb.output_ids)
-    obs.b_error = "" if rb.ok else rb.error_message
-    if rb.status == 200:
-        obs.first_divergence = _first_divergence(rb.output_ids, want)
-        if obs.first_divergence is not None:
-            d = obs.first_divergence
-            obs.got_excerpt = rb.output_ids[d:d + 24]
-            obs.want_excerpt = want[d:d + 24]
-            obs.v_run_in_b = _longest_run_from(rb.output_ids[d:d + 64], v_ids)
-    return obs
+    v_room, b_room = random_rooms(rng)
+    return run_late_write(trio, v_ids, b_ids, expected=oracle.expected, variant=variant,
+                          v_room=v_room, b_room=b_room)
 
 
 def _record(log_dir: Path, obs: Observation) -> None:
     print(obs.timeline())
     path = log_dir / f"late-write-{obs.variant}.json"
-    path.write_text(json.dumps({**asdict(obs), "v_pages": _span(obs.v_pages),
-                                "b_prompt_pages": _span(obs.b_prompt_pages),
-                                "overlap": obs.overlap}, indent=1))
+    path.write_text(json.dumps(obs.to_json(), indent=1))
 
 
 def _assert_versions(trio: Trio, stock: bool) -> None:
@@ -414,13 +137,8 @@ def _assert_versions(trio: Trio, stock: bool) -> None:
 
 def _assert_scenario_ran(obs: Observation) -> None:
     """The preconditions both variants share: V's write really was held past its abort."""
-    t = obs.timeline()
-    assert obs.v_abort_http == 200, f"the decode refused /abort_request: {t}"
-    assert obs.v_decode_status != 200, f"V's decode leg was served, not aborted: {t}"
-    assert obs.t_late_write is not None and obs.t_late_write > obs.t_abort, t
-    assert obs.v_status_at_write in ("Failed", "cleared"), (
-        f"the prefill had not seen V's abort when the late write went out: {t}")
-    assert obs.b_prompt_pages, f"the second prefill logged no write for B: {t}"
+    problems = design_problems(obs)
+    assert not problems, problems
 
 
 @pytest.mark.parametrize("backend", LATE_WRITE_BACKENDS)
@@ -491,74 +209,16 @@ def test_late_write_fork_keeps_reused_pages_clean(fork_trio: Trio, model_path: P
     assert obs.health_after.startswith("200"), t
 
 
-
-@dataclass
-class CrashObservation:
-    """The prefill SIGKILLed while its write into V2's decode pages is held."""
-
-    v2_room: int
-    v2_decode_status: int = 0
-    v2_decode_error: str = ""
-    v2_answer_s: float | None = None  # seconds from the kill to V2's decode answer
-    peer_gone_release_s: float | None = None  # seconds from the kill to the quarantine release
-    b2_status: int = 0
-    b2_identical: bool = False
-    b2_refusals: list[str] = field(default_factory=list)
-    decode_alive: bool = False
-    other_prefill_alive: bool = False
-
-
 def run_crash_scenario(trio: Trio, oracle: Oracle, model_path: Path,
                        seed: int) -> CrashObservation:
-    """V2 held in the prefill's transfer worker, that prefill SIGKILLed, B2 through the other."""
+    """V2 held in the prefill's transfer worker, that prefill SIGKILLed, B2 through the other
+    (``pdsafe_testkit.late_write.run_crash``; the release awaited is the fork's peer-gone one)."""
     rng = random.Random(seed)
     v2_ids = random_prompt(rng, V_LEN, model_path)
     b2_ids = random_prompt(rng, B_LEN, model_path)
-    obs = CrashObservation(late_room(rng.randrange(ROOM_RANGE_WIDTH)))
-    want = oracle.expected(b2_ids, B_NEW)
-    gone0 = metric_total(trio.decode.url, "sglang:pdsafe_quarantine_released_peer_gone_total")
-    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": trio.held.bootstrap_port,
-            "bootstrap_room": obs.v2_room}
-
-    def v2_leg(url: str) -> GenResult:
-        try:
-            return generate(url, v2_ids, V_NEW, timeout=CRASH_BOUND_S + 60,
-                            rid=f"crash-victim-{uuid.uuid4().hex}", **boot)
-        except requests.RequestException as e:
-            return GenResult(0, [], {"error": {"message": f"client gave up: {e}"}})
-
-    with ThreadPoolExecutor(2) as ex:
-        ex.submit(v2_leg, trio.held.url)
-        fd: Future[GenResult] = ex.submit(v2_leg, trio.decode.url)
-        _wait_for("the prefill to hold V2's write",
-                  lambda: _event(trio.held, obs.v2_room, "held"), 90)
-        t_kill = time.monotonic()
-        trio.held.process.kill()
-        rd = fd.result(timeout=CRASH_BOUND_S + 90)
-        obs.v2_answer_s = time.monotonic() - t_kill
-        obs.v2_decode_status = rd.status
-        obs.v2_decode_error = "" if rd.ok else rd.error_message
-        try:
-            _wait_for("the decode to release V2's pages (peer gone)", lambda: metric_total(
-                trio.decode.url, "sglang:pdsafe_quarantine_released_peer_gone_total") > gone0,
-                CRASH_BOUND_S, step=0.5)
-            obs.peer_gone_release_s = time.monotonic() - t_kill
-        except AssertionError:
-            pass
-    room = traced_room(rng.randrange(ROOM_RANGE_WIDTH))
-    deadline = time.monotonic() + 30
-    while True:
-        _, rb = direct_pd_generate(trio.pair(trio.other), b2_ids, B_NEW, room=room, timeout=300)
-        if rb.ok or time.monotonic() > deadline:
-            break
-        obs.b2_refusals.append(f"HTTP {rb.status}: {rb.error_message[:160]}")
-        room = traced_room((room - traced_room(0) + 1) % ROOM_RANGE_WIDTH)
-        time.sleep(0.5)
-    obs.b2_status = rb.status
-    obs.b2_identical = rb.ok and rb.output_ids == want
-    obs.decode_alive = trio.decode.process.alive()
-    obs.other_prefill_alive = trio.other.process.alive()
-    return obs
+    v2_room, b2_room = random_rooms(rng)
+    return run_crash(trio, v2_ids, b2_ids, expected=oracle.expected, v2_room=v2_room,
+                     b2_room=b2_room, release_metric=PEER_GONE_METRIC)
 
 
 def test_crashed_prefill_pages_stay_quarantined_until_it_is_gone(
@@ -573,12 +233,12 @@ def test_crashed_prefill_pages_stay_quarantined_until_it_is_gone(
     """
     obs = run_crash_scenario(fork_trio, oracle, model_path, seed=90093)
     out = log_dir / f"late-write-crash-{fork_trio.backend}.json"
-    out.write_text(json.dumps(asdict(obs), indent=1))
-    t = repr(obs)
+    out.write_text(json.dumps(obs.to_json(), indent=1))
+    t = json.dumps(obs.to_json())
     assert obs.v2_decode_status != 200 and obs.v2_decode_error, (
         f"V2's decode client was not told about the crash: {t}")
     assert obs.v2_answer_s is not None and obs.v2_answer_s <= CRASH_BOUND_S, t
-    assert obs.peer_gone_release_s is not None, (
+    assert obs.release_metric == PEER_GONE_METRIC and obs.release_s is not None, (
         f"the decode never released V2's pages on the prefill's death: {t}")
     assert obs.b2_status == 200 and obs.b2_identical, f"B2 was not served correctly: {t}"
     assert obs.decode_alive and obs.other_prefill_alive, t

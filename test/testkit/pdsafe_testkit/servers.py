@@ -487,6 +487,9 @@ class GenResult:
     output_ids: list[int]
     body: Any
     prompt_tokens: int | None = None
+    #: True when the client gave up waiting (no answer within its timeout): a hang, not an
+    #: answer; ``status`` is then 0. Set only by callers that bound a request and keep going.
+    timed_out: bool = False
 
     @property
     def ok(self) -> bool:
