@@ -118,8 +118,12 @@ def test_limit_door_and_health_text():
     q = quarantine.of(kv_mgr)
     assert quarantine.door(queue) is None
     q.hold(1, room=1, rid="a", tokens=25, writer=WRITER, now=0.0, deadline=1.0)
-    assert quarantine.door(queue) is None  # 25 % is not over 25 %
     q.hold(2, room=2, rid="b", tokens=1, writer=WRITER, now=0.0, deadline=1.0)
+    # Inside upstream's deadline a hold is an abort's normal drain: it never stops admission.
+    assert quarantine.door(queue) is None
+    q.evidence(1, drained=False, now=2.0)  # past the deadline: overdue
+    assert quarantine.door(queue) is None  # 25 % is not over 25 %
+    q.evidence(2, drained=False, now=2.0)
     refused = metrics.value("quarantine_limit_refused_total")
     r = quarantine.door(queue)
     assert r is not None and r.status == 503
@@ -131,7 +135,7 @@ def test_limit_door_and_health_text():
     assert quarantine.health_refusal([ValueError("x"), SimpleNamespace(detail=r.message)]) \
         == r.message
     assert quarantine.health_refusal([ValueError("another 503")]) is None
-    q.release(2, Evidence.ACK, 1.0)  # evidence arrives: admission recovers by itself
+    q.release(2, Evidence.ACK, 3.0)  # evidence arrives: admission recovers by itself
     assert quarantine.door(queue) is None
 
 

@@ -40,10 +40,12 @@ are terminal.
   ``SGLANG_PDSAFE_QUARANTINE_PEER_GONE=0`` removes it (then only an ACK, or a restart of this
   decode, ends a quarantine).
 
-**Quarantine limit.** When the held tokens exceed ``SGLANG_PDSAFE_QUARANTINE_LIMIT`` (a
-fraction of the decode's KV pool, default 0.25), the decode refuses new PD requests (503, the
-prefill told at once) and ``/health`` answers 503 with the reason, instead of serving from an
-ever smaller pool; it recovers by itself once evidence releases enough pages.
+**Quarantine limit.** When the tokens held *past upstream's deadline* (OVERDUE: pages upstream
+would have freed) exceed ``SGLANG_PDSAFE_QUARANTINE_LIMIT`` (a fraction of the decode's KV pool,
+default 0.25; holds inside the deadline are an abort's normal drain and never count), the
+decode refuses new PD requests (503, the prefill told at once) and ``/health`` answers 503 with
+the reason, instead of serving from an ever smaller pool; it recovers by itself once evidence
+releases enough pages.
 
 **Metrics**: ``quarantined_tokens`` and ``quarantined_transfers`` (gauges),
 ``quarantine_age_seconds`` (histogram, at release), ``quarantine_released_total{evidence}``
@@ -280,10 +282,19 @@ class Quarantine:
         with self._lock:
             return key in self._held
 
+    def tokens_overdue(self) -> int:
+        """Tokens of the holds past upstream's deadline (the ones upstream would have freed)."""
+        with self._lock:
+            return sum(e.tokens for e in self._held.values() if e.state is HoldState.OVERDUE)
+
     def over_limit(self, pool_tokens: int, fraction: float | None = None) -> bool:
-        """Whether the held tokens exceed ``fraction`` of a pool of ``pool_tokens``."""
+        """Whether the *overdue* tokens exceed ``fraction`` of a pool of ``pool_tokens``.
+
+        A hold still inside upstream's deadline is the normal drain of an abort (its ACK is
+        usually milliseconds away) and does not count: only pages a timeout would have freed,
+        and that no evidence released, can stop admission."""
         frac = limit_fraction() if fraction is None else fraction
-        return pool_tokens > 0 and self.tokens_held() > frac * pool_tokens
+        return pool_tokens > 0 and self.tokens_overdue() > frac * pool_tokens
 
     def status(self, pool_tokens: int) -> dict[str, Any]:
         """What ``/health`` and ``/server_info`` show (plain data)."""
@@ -292,6 +303,7 @@ class Quarantine:
         return {
             "quarantined_transfers": len(entries),
             "quarantined_tokens": sum(e.tokens for e in entries),
+            "overdue_tokens": sum(e.tokens for e in entries if e.state is HoldState.OVERDUE),
             "pool_tokens": int(pool_tokens),
             "limit_fraction": limit_fraction(),
             "over_limit": self.over_limit(pool_tokens),
@@ -398,11 +410,12 @@ LIMIT_MARKER = "decode KV quarantine over its limit"
 
 
 def limit_message(status: dict[str, Any]) -> str:
-    return (f"{LIMIT_MARKER}: {status['quarantined_tokens']} of "
-            f"{status['pool_tokens']} KV tokens are held for {status['quarantined_transfers']} "
-            f"aborted transfers whose prefill writers have not confirmed that their writes "
-            f"drained (limit {status['limit_fraction']:.0%} of the pool). This decode admits no "
-            f"new PD request until they do, instead of reusing pages a late write could hit. "
+    return (f"{LIMIT_MARKER}: {status['overdue_tokens']} of "
+            f"{status['pool_tokens']} KV tokens are held past the release timeout for "
+            f"{status['overdue']} aborted transfers whose prefill writers have not confirmed "
+            f"that their writes drained (limit {status['limit_fraction']:.0%} of the pool). This "
+            f"decode admits no new PD request until they do, instead of reusing pages a late "
+            f"write could hit. "
             f"Retry on another decode; operators: check the prefills "
             f"{', '.join(status['writers']) or '(unknown)'} (sglang:pdsafe_quarantined_tokens, "
             f"sglang:pdsafe_quarantine_overdue_total).")
