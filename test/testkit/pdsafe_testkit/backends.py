@@ -34,3 +34,22 @@ def import_mori_manager() -> type:
             else:
                 sys.modules[k] = v
     return MoriKVManager
+
+
+#: Environment variable naming the backends of the CI-time-bound server tests (comma-separated);
+#: ``all`` runs every one of ``BACKENDS``.
+SECONDARY_BACKENDS_ENV = "PDSAFE_FULL_BACKENDS"
+
+
+def ci_backends(env: str = SECONDARY_BACKENDS_ENV) -> tuple[str, ...]:
+    """The backends a server test whose logic does not depend on the backend's wire format runs
+    on: Mooncake by default (CI time on 2 cores), every backend with ``PDSAFE_FULL_BACKENDS=all``
+    (or a comma-separated list). Wire-level tests (content, peer release, mixed versions, the KV
+    harness) always parametrize over ``BACKENDS`` instead."""
+    import os
+
+    raw = os.environ.get(env, "").strip()
+    if raw == "all":
+        return BACKENDS
+    chosen = tuple(b for b in raw.split(",") if b in BACKENDS)
+    return chosen or ("mooncake",)
