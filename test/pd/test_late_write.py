@@ -110,14 +110,19 @@ def stock_env() -> dict[str, str]:
     return prepare_base_tree().env()
 
 
+def _inputs(seed: int, model_path: Path) -> tuple[list[int], list[int], int, int]:
+    """The victim's and the canary's prompts and rooms of one seeded run."""
+    rng = random.Random(seed)
+    v_ids = random_prompt(rng, V_LEN, model_path)
+    b_ids = random_prompt(rng, B_LEN, model_path)
+    return (v_ids, b_ids, *random_rooms(rng))
+
+
 def run_scenario(trio: Trio, oracle: Oracle, model_path: Path, variant: str,
                  seed: int) -> Observation:
     """Victim V aborted while its write is held, canary B on V's pages, the write lands
     (``pdsafe_testkit.late_write.run_late_write``; random prompts over the whole vocabulary)."""
-    rng = random.Random(seed)
-    v_ids = random_prompt(rng, V_LEN, model_path)
-    b_ids = random_prompt(rng, B_LEN, model_path)
-    v_room, b_room = random_rooms(rng)
+    v_ids, b_ids, v_room, b_room = _inputs(seed, model_path)
     return run_late_write(trio, v_ids, b_ids, expected=oracle.expected, variant=variant,
                           v_room=v_room, b_room=b_room)
 
@@ -218,10 +223,7 @@ def run_crash_scenario(trio: Trio, oracle: Oracle, model_path: Path,
                        seed: int) -> CrashObservation:
     """V2 held in the prefill's transfer worker, that prefill SIGKILLed, B2 through the other
     (``pdsafe_testkit.late_write.run_crash``; the release awaited is the fork's peer-gone one)."""
-    rng = random.Random(seed)
-    v2_ids = random_prompt(rng, V_LEN, model_path)
-    b2_ids = random_prompt(rng, B_LEN, model_path)
-    v2_room, b2_room = random_rooms(rng)
+    v2_ids, b2_ids, v2_room, b2_room = _inputs(seed, model_path)
     return run_crash(trio, v2_ids, b2_ids, expected=oracle.expected, v2_room=v2_room,
                      b2_room=b2_room, release_metric=PEER_GONE_METRIC)
 

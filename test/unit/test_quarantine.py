@@ -130,8 +130,8 @@ def test_limit_door_and_health_text():
     assert "26 of 100 KV tokens" in r.message and WRITER in r.message
     assert metrics.value("quarantine_limit_refused_total") == refused + 1
     assert quarantine.door(queue, reentry=True) is None  # a retraction owns its place
-    report = quarantine.health_report(kv_mgr, 100)
-    assert report["over_limit"] and report["reason"] == r.message
+    report = q.status(100)
+    assert report["over_limit"] and quarantine.limit_message(report) == r.message
     assert quarantine.health_refusal([ValueError("x"), SimpleNamespace(detail=r.message)]) \
         == r.message
     assert quarantine.health_refusal([ValueError("another 503")]) is None

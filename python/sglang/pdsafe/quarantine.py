@@ -73,6 +73,7 @@ from typing import Any
 from sglang.pdsafe import metrics
 from sglang.pdsafe.hook_api import attached, guarded
 from sglang.pdsafe.protections import Protection, pd_mode, register
+from sglang.pdsafe.room_guard import Refusal  # the PD doors' one refusal type
 
 logger = logging.getLogger("sglang.pdsafe.quarantine")
 
@@ -297,7 +298,8 @@ class Quarantine:
         return pool_tokens > 0 and self.tokens_overdue() > frac * pool_tokens
 
     def status(self, pool_tokens: int) -> dict[str, Any]:
-        """What ``/health`` and ``/server_info`` show (plain data)."""
+        """The quarantine's state (plain data): what the limit refusal, and so ``/health``,
+        reports."""
         entries = self.entries()
         now = time.monotonic()
         return {
@@ -378,8 +380,8 @@ def released(kv_mgr: Any, key: Any, *, drained: bool, now: float) -> None:
     q = of(kv_mgr)
     if not q.is_held(key):
         return
-    ev = q.evidence(key, drained=drained, now=now)
-    q.release(key, ev or Evidence.ACK, now)
+    # ready() answered True on exactly one of these: the drain ACK, else the writer gone.
+    q.release(key, Evidence.ACK if drained else Evidence.PEER_GONE, now)
 
 
 @guarded("quarantine.peer_gone", FAILED, default=None)
@@ -397,12 +399,6 @@ def dropped(kv_mgrs: Iterable[Any]) -> None:
         q = getattr(kv_mgr, _REGISTRY_ATTR, None)
         if q is not None:
             q.drop_all()
-
-
-@dataclass(frozen=True)
-class Refusal:
-    message: str
-    status: int
 
 
 #: How every over-limit refusal begins (``/health`` recognises its own refusal by it).
@@ -457,17 +453,6 @@ def refused(req: Any) -> None:
     from sglang.pdsafe import peer_notifier
 
     peer_notifier.decode_rejected(req)
-
-
-def health_report(kv_mgr: Any, pool_tokens: int) -> dict[str, Any] | None:
-    """The quarantine status of this decode (None when it holds nothing and is off-PD)."""
-    q = getattr(kv_mgr, _REGISTRY_ATTR, None) if kv_mgr is not None else None
-    if q is None:
-        return None
-    status = q.status(pool_tokens)
-    if status["over_limit"]:
-        status["reason"] = limit_message(status)
-    return status
 
 
 def health_refusal(errors: Iterable[BaseException]) -> str | None:
