@@ -48,6 +48,8 @@ ROWS=(
   "room-guard-unit|0019|test/unit/test_room_guard.py"
   "quarantine-unit|0020|test/unit/test_quarantine.py"
   "late-write|0020|test/pd/test_late_write.py -k fork_keeps"
+  "kv-digest-unit|0022|test/unit/test_kv_integrity_wiring.py"
+  "kv-digest-e2e|0022|test/pd/test_kv_digest_e2e.py -k mooncake"
   "write-fence-unit|0021|test/unit/test_write_fence.py"
 )
 

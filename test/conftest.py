@@ -64,8 +64,9 @@ def pd(request: pytest.FixtureRequest, log_dir: Path, model_path: Path) -> Itera
         decode=ServerConfig(role="decode", model_path=model_path,
                             max_total_tokens=SHARED_DECODE_POOL,
                             context_length=SHARED_DECODE_POOL,
-                            # Only acts on rids with the fault prefixes (oracle self-test).
-                            env={"SGLANG_PDSAFE_TEST_FAULTS": "foreign_kv:16"}),
+                            # Only acts on rids with the fault prefixes (the oracle's
+                            # self-test, the KV digest's end-to-end corruption tests).
+                            env={"SGLANG_PDSAFE_TEST_FAULTS": "foreign_kv:16,kv_corrupt"}),
     ) as stack:
         yield stack
 

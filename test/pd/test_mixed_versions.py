@@ -14,9 +14,11 @@ so a pair can never silently be fork/fork.
   through the router, is the co-located reference's, token for token.
 
 * **stock prefill, fork decode with the upgrade-window waiver**
-  (``SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS=pair-agreement,coverage-attestation`` on the decode):
-  every answer is the reference's, token for token; the decode counts the stock prefill once
-  (``stock_peer_paired``) and every unattested transfer it committed (``coverage_waived``).
+  (``SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS=pair-agreement,coverage-attestation,kv-digest`` on
+  the decode): every answer is the reference's, token for token; the decode counts the stock
+  prefill once (``stock_peer_paired``), every unattested transfer it committed
+  (``coverage_waived``) and every transfer it decoded without a KV digest
+  (``kv_digest_waived``).
 
 What this does not cover: fork/fork of another release over the KV wire (pair agreement refuses
 another wire version at bootstrap; ``test/unit/test_peer_policy.py`` shows it on the real
@@ -115,7 +117,7 @@ def test_stock_prefill_fork_decode_refused_at_pairing(stock_prefill: PDStack, mo
         assert side.process.alive(), f"{side.config.role} died"
 
 
-WAIVER = {"SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS": "pair-agreement,coverage-attestation"}
+WAIVER = {"SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS": "pair-agreement,coverage-attestation,kv-digest"}
 
 
 @pytest.fixture(params=["mooncake"])
@@ -135,6 +137,7 @@ def test_stock_prefill_fork_decode_served_under_the_waiver(stock_prefill_waived:
     st = stock_prefill_waived
     paired0 = metric_total(st.decode.url, "sglang:pdsafe_stock_peer_paired_total")
     waived0 = metric_total(st.decode.url, "sglang:pdsafe_coverage_waived_total")
+    undigested0 = metric_total(st.decode.url, "sglang:pdsafe_kv_digest_waived_total")
     rng = random.Random(1103)
     n = 3
     for i in range(n):
@@ -144,6 +147,8 @@ def test_stock_prefill_fork_decode_served_under_the_waiver(stock_prefill_waived:
     assert metric_total(st.decode.url, "sglang:pdsafe_stock_peer_paired_total") == paired0 + 1
     assert metric_total(st.decode.url, "sglang:pdsafe_coverage_waived_total") == waived0 + n, (
         "every unattested transfer committed under the waiver must be counted")
+    assert metric_total(st.decode.url, "sglang:pdsafe_kv_digest_waived_total") == \
+        undigested0 + n, "every transfer decoded without a KV digest must be counted"
 
 
 def test_fork_prefill_stock_decode_serves_reference(stock_decode: PDStack, oracle: Oracle,

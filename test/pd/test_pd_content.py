@@ -50,8 +50,11 @@ def test_oracle_sees_injected_foreign_kv(pd, oracle, model_path):
 
     The decode server runs with SGLANG_PDSAFE_TEST_FAULTS=foreign_kv:16 (conftest), which only
     acts on rids with the fault prefixes. Request A's last 16 prompt positions are captured at
-    its commit; request B (same length) gets them written over its own last 16 positions.
-    The tiny model copies the token 16 positions back, so B's answer must now show A's tokens.
+    its commit; request B (same length) gets them written over its own last 16 positions
+    right before its first decode step, after every check (``pdsafe-fault-postcheck-``: KV
+    that changes after decode verified it, which no protection of the series can see, so the
+    oracle is shown to see it in every tree). The tiny model copies the token 16 positions
+    back, so B's answer must now show A's tokens.
     """
     rng = random.Random(7)
     a = random_prompt(rng, 200, model_path)
@@ -59,7 +62,7 @@ def test_oracle_sees_injected_foreign_kv(pd, oracle, model_path):
     tag = uuid.uuid4().hex
     _, ra = direct_pd_generate(pd, a, MAX_NEW, rid=f"pdsafe-fault-source-{tag}")
     oracle.assert_identical(ra, a, MAX_NEW, what="fault source request")
-    _, rb = direct_pd_generate(pd, b, MAX_NEW, rid=f"pdsafe-fault-inject-{tag}")
+    _, rb = direct_pd_generate(pd, b, MAX_NEW, rid=f"pdsafe-fault-postcheck-{tag}")
     assert rb.status == 200, rb.body
     assert oracle.judge(rb, b, MAX_NEW) is Verdict.WRONG_CONTENT, "oracle missed foreign KV"
     # The first token comes from prefill (clean); the next 15 copy the foreign positions.

@@ -142,3 +142,80 @@ def test_unarmed_plugin_hooks_nothing_and_sglang_plugins_whitelist_applies():
     assert out["wrapped"] is False
     assert "TEST FAULT ARMED" not in log
 
+
+
+CORRUPT = r"""
+import json, logging, sys
+from types import SimpleNamespace
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+import torch
+from sglang.pdsafe import commit_gate, coverage
+from sglang.srt.disaggregation.decode import DecodeRequest
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.plugins import load_plugins
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+coverage.admit = lambda tq, dr: "coverage-verdict"
+def caller(tq, dr):
+    return commit_gate.admit_commit(tq, dr)
+
+load_plugins()
+pool = MHATokenToKVPool(size=128, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=4,
+                        layer_num=3, device="cpu", enable_memory_saver=False,
+                        enable_alt_stream=False)
+alloc = TokenToKVPoolAllocator(128, torch.bfloat16, "cpu", pool, need_sort=False)
+rtt = ReqToTokenPool(size=8, max_context_len=32, device="cpu", enable_memory_saver=False)
+g = torch.Generator().manual_seed(0)
+for layer in range(pool.layer_num):
+    pool.get_key_buffer(layer).copy_(torch.randn(pool.get_key_buffer(layer).shape, generator=g))
+    pool.get_value_buffer(layer).copy_(torch.randn(pool.get_value_buffer(layer).shape, generator=g))
+sched = SimpleNamespace(req_to_token_pool=rtt, token_to_kv_pool_allocator=alloc)
+tq = SimpleNamespace(scheduler=sched)
+
+def snapshot():
+    return torch.cat([torch.stack([pool.get_key_buffer(i), pool.get_value_buffer(i)])
+                      .view(torch.uint8).flatten() for i in range(pool.layer_num)]).clone()
+
+reqs = []
+for row, rid in enumerate(["pdsafe-fault-corrupt-bit-a", "pdsafe-fault-corrupt-lastpage-b",
+                           "pdsafe-fault-corrupt-page-c", "pdsafe-fault-corrupt-layer-d",
+                           "pdsafe-fault-corrupt-nosuchmode-e", "plain"], start=1):
+    req = Req(rid, "", list(range(12)), SamplingParams())
+    req.kv.req_pool_idx = row
+    req.kv.cache_protected_len = 4  # positions 0..3: decode's own prefix, never touched
+    rtt.req_to_token[row, :12] = alloc.alloc(12).to(torch.int32)
+    reqs.append(req)
+
+row_bytes = pool.get_key_buffer(0)[0].numel() * 2
+out = {}
+for req in reqs:
+    before = snapshot()
+    caller(tq, DecodeRequest(req=req, kv_receiver=None))
+    diff = (before ^ snapshot()).nonzero().flatten()
+    bits = int(sum(bin(int(x)).count("1") for x in (before ^ snapshot())[diff]))
+    # Which slots changed: byte offset -> (layer, K/V, slot)
+    slots = sorted({int(d) // row_bytes % pool.get_key_buffer(0).shape[0] for d in diff})
+    locs = rtt.req_to_token[req.kv.req_pool_idx, :12].tolist()
+    out[req.rid] = {"bytes": len(diff), "bits": bits, "slots": slots, "owned": locs[4:],
+                    "last": locs[-1]}
+print(json.dumps(out))
+"""
+
+
+def test_armed_kv_corrupt_changes_only_owned_transferred_bytes():
+    """``kv_corrupt`` (issue 10's corruption family): each mode changes what it says, only in
+    the request's own transferred positions (never its prefix or another request's slots);
+    an unknown mode and a plain rid are untouched."""
+    out, log = _run(CORRUPT, **{FAULT_ENV: "kv_corrupt"})
+    assert "TEST FAULT ARMED" in log, log[-3000:]
+    bit, last = out["pdsafe-fault-corrupt-bit-a"], out["pdsafe-fault-corrupt-lastpage-b"]
+    page, layer = out["pdsafe-fault-corrupt-page-c"], out["pdsafe-fault-corrupt-layer-d"]
+    assert (bit["bytes"], bit["bits"]) == (1, 1) and set(bit["slots"]) <= set(bit["owned"])
+    assert (last["bytes"], last["bits"]) == (1, 1) and last["slots"] == [last["last"]]
+    assert page["bytes"] > 0 and len(page["slots"]) == 1 and page["slots"][0] in page["owned"]
+    assert layer["slots"] == sorted(layer["owned"]) and layer["bits"] == len(layer["owned"])
+    assert out["pdsafe-fault-corrupt-nosuchmode-e"]["bytes"] == 0
+    assert out["plain"]["bytes"] == 0
+    assert log.count("TEST FAULT kv_corrupt: rid") == 4, log[-3000:]

@@ -93,7 +93,7 @@ def test_local_settings_read_the_effective_limits():
     kv_args = SimpleNamespace(page_size=64, kv_cache_dtype_str="float32", kv_layout=None)
     got = pair_agreement.local_settings(scheduler, kv_args)
     assert got == PairSettings(pair_agreement.WIRE_VERSION, 64, "float32", None, 512,
-                               "name:chatml", 446)
+                               "name:chatml", 446, kv_digest="pdsafe-kvdigest/1")
 
 
 # --------------------------------------------------------------------------- decode pairing

@@ -300,6 +300,11 @@ def note_reservation_hook(decode_req: Any, page_indices: Sequence[int], page_siz
     setattr(decode_req, _RESERVATION_ATTR, cov)
 
 
+def reservation_of(decode_req: Any) -> Coverage | None:
+    """The reservation :func:`note_reservation_hook` recorded for ``decode_req`` (None: none)."""
+    return getattr(decode_req, _RESERVATION_ATTR, None)
+
+
 def attest_prefill_hook(metadata_buffers: Any, req: Any, end_idx: int, page_size: int) -> None:
     """Prefill, at its last chunk, after upstream's ``set_buf``: write the attestation row."""
     import torch

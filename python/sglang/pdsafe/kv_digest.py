@@ -61,18 +61,20 @@ all integers little-endian u64; a value of 16 zero bytes is replaced by ``00..01
 zero can only mean "no digest". The result is :class:`KvDigest`: the 16-byte value, the
 16-byte layout signature digest and, in clear for the messages, the bound fields.
 
-**GPU later, bit-identical.** The definition only needs (a) the gathered rows of each
-component, (b) fixed leaves of whole rows and (c) XXH3-128, which uses 64-bit adds, xors,
-shifts and 32x32->64 multiplies only. A Triton kernel gathers the same rows on the device (the
-index arithmetic above), runs one program per leaf (inside a leaf, XXH3's 1 KiB blocks are
-sums over 16 stripes x 8 lanes, so a block is one vector step; the scramble between blocks is
-the only sequential part; leaves under 241 bytes take XXH3's short-input paths) and writes the
-16-byte leaf digests; the short root hash runs anywhere. Leaves of at most 64 KiB give
-thousands of independent programs per request (a row larger than 64 KiB, e.g. a Mamba
-temporal state slot, is one leaf on its own; splitting it would be a new scheme version). The
-CPU path here hashes the same leaves with the ``xxhash`` package (already an upstream sglang
-dependency), either straight from the pool's memory (rows of a leaf that sit in consecutive
-slots, zero-copy) or from a gather; both give the same bytes, which the tests check.
+**Paths, all bit-identical.** The definition only needs (a) the gathered rows of each
+component, (b) fixed leaves of whole rows and (c) XXH3-128. The CPU path hashes the leaves with
+the ``xxhash`` package (already an upstream sglang dependency), either straight from the pool's
+memory (rows of a leaf that sit in consecutive slots, zero-copy) or from a gather (on any torch
+device: rows gathered there, copied to the host). The device path (``path="triton"``, and what
+``auto`` takes when every component lives on one CUDA/HIP device and Triton can run there,
+unless ``SGLANG_PDSAFE_KV_DIGEST_TRITON=0``) gathers the same rows on the device with the same
+``gather`` functions, and :mod:`sglang.pdsafe.kv_digest_triton` hashes every leaf there, one
+Triton program per leaf (XXH3-128 ported to 64-bit Triton arithmetic, short-input paths
+included); only the 16-byte leaf digests come back, the short root hash runs here. All paths
+give the same bytes, which the tests check (``test/unit/test_kv_digest.py``: stream vs gather;
+``test/gpu/test_kv_digest_triton.py``: Triton vs ``xxhash``, in Triton's interpreter on a CPU).
+A row larger than 64 KiB (e.g. a Mamba temporal state slot) is one leaf on its own; splitting
+it would be a new scheme version.
 
 Invariants:
 
@@ -145,7 +147,7 @@ class Component:
     ``rows`` is the same data as a zero-copy uint8 ``[slots, row_bytes]`` view when the pool
     stores rows contiguously on the CPU (the zero-copy path hashes slices of it), else None.
     ``storage_ptr`` is the ``data_ptr`` of the buffer the transfer registers for it (the
-    cross-check), ``slots`` its number of rows.
+    cross-check), ``slots`` its number of rows, ``device`` where its rows live.
     """
 
     name: str
@@ -158,6 +160,7 @@ class Component:
     gather: Callable[..., torch.Tensor] = field(repr=False, compare=False)
     rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
     storage_ptr: int = field(default=0, repr=False, compare=False)
+    device: torch.device = field(default=torch.device("cpu"), repr=False, compare=False)
 
     def describe(self) -> str:
         shape = "x".join(str(d) for d in self.row_shape) or "scalar"
@@ -242,7 +245,8 @@ def _row_component(name: str, layer: int, space: Space, t: torch.Tensor) -> Comp
             g = src.index_select(0, idx.to(src.device)).contiguous()
             return g.view(torch.uint8).reshape(int(idx.numel()), row_bytes)
 
-    return Component(name, layer, space, dtype, row_shape, row_bytes, slots, gather, rows, ptr)
+    return Component(name, layer, space, dtype, row_shape, row_bytes, slots, gather, rows, ptr,
+                     t.device)
 
 
 def _custom_component(name: str, layer: int, space: Space, base: torch.Tensor,
@@ -257,7 +261,7 @@ def _custom_component(name: str, layer: int, space: Space, base: torch.Tensor,
         return g.view(torch.uint8).reshape(int(idx.numel()), row_bytes)
 
     return Component(name, layer, space, _dtype_name(base), row_shape, row_bytes, slots, gather,
-                     None, base.data_ptr())
+                     None, base.data_ptr(), device)
 
 
 def _layer_ids(pool: Any) -> list[int]:
@@ -539,6 +543,91 @@ def _leaves_gather(comp: Component, idx: torch.Tensor, rows_per_leaf: int,
     return out
 
 
+# --------------------------------------------------------------------------- device path
+#
+# Same leaves, same bytes, hashed on the GPU: the rows are gathered on the device by each
+# component's own ``gather`` (the index arithmetic of the CPU gather path) into one device
+# buffer, whole leaves per component, and :mod:`sglang.pdsafe.kv_digest_triton` hashes every
+# leaf of the buffer in one launch (its XXH3-128 is bit-identical to ``xxhash``, which its tests
+# check), so the digest does not depend on the path. Only the 16-byte leaf digests come back to
+# the host; the root hash stays here. Triton is imported lazily: this module works without it.
+
+#: Bytes of gathered rows per kernel launch (whole leaves; one leaf bigger than this, a row
+#: of more than 64 MiB, goes alone). Bounds the transient device memory of a digest.
+DEVICE_BATCH_BYTES = 64 * 1024 * 1024
+
+
+def _device_path(comps: Sequence[Component]) -> bool:
+    """``auto``'s choice: the Triton path when every component lives on one CUDA/HIP device,
+    Triton can run there, and ``SGLANG_PDSAFE_KV_DIGEST_TRITON=0`` is not set (that switch only
+    moves the hashing to the host: the digest is the same)."""
+    if not comps or any(c.device.type != "cuda" for c in comps):
+        return False
+    if len({c.device for c in comps}) != 1:
+        return False
+    from sglang.pdsafe import kv_digest_triton
+
+    return not kv_digest_triton.disabled_by_env() and kv_digest_triton.available(comps[0].device)
+
+
+def _leaves_device(comps: Sequence[Component],
+                   idx_by_space: dict[Space, torch.Tensor]) -> list[list[bytes]]:
+    """Per component (in order), its leaf digests, computed on the components' device."""
+    from sglang.pdsafe import kv_digest_triton
+
+    devices = {c.device for c in comps}
+    if len(devices) != 1 or not kv_digest_triton.available(comps[0].device):
+        raise ValueError(f"the Triton path cannot run on {sorted(map(str, devices))} "
+                         "(needs one CUDA/HIP device with Triton, or Triton's interpreter on CPU)")
+    device = comps[0].device
+    idx_dev = {s: t.to(device) for s, t in idx_by_space.items()}
+    out: list[list[bytes]] = [[] for _ in comps]
+    # A chunk: (component, first row, rows), whole leaves, at an 8-aligned buffer offset.
+    chunks: list[tuple[int, int, int]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal size
+        if not chunks:
+            return
+        buf = torch.empty(size, dtype=torch.uint8, device=device)
+        offsets: list[int] = []
+        lengths: list[int] = []
+        owners: list[int] = []
+        pos = 0
+        for ci, a, rows in chunks:
+            c = comps[ci]
+            rb, t = c.row_bytes, leaf_rows(c.row_bytes)
+            view = buf[pos:pos + rows * rb].view(rows, rb)
+            g = c.gather(idx_dev[c.space][a:a + rows], out=view)
+            if g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+            for k in range(0, rows, t):
+                offsets.append(pos + k * rb)
+                lengths.append(min(t, rows - k) * rb)
+                owners.append(ci)
+            pos += -(-rows * rb // 8) * 8
+        for ci, d in zip(owners, kv_digest_triton.xxh3_128_leaves(buf, offsets, lengths),
+                         strict=True):
+            out[ci].append(d)
+        chunks.clear()
+        size = 0
+
+    for ci, c in enumerate(comps):
+        n = int(idx_dev[c.space].numel())
+        t = leaf_rows(c.row_bytes)
+        step = max(1, DEVICE_BATCH_BYTES // (t * c.row_bytes)) * t
+        for a in range(0, n, step):
+            rows = min(step, n - a)
+            need = -(-rows * c.row_bytes // 8) * 8
+            if chunks and size + need > DEVICE_BATCH_BYTES:
+                flush()
+            chunks.append((ci, a, rows))
+            size += need
+    flush()
+    return out
+
+
 def _index_tensor(values: Any) -> torch.Tensor:
     """int64 indices on the CPU (each component's gather moves them to its device)."""
     return torch.as_tensor(values).to(device="cpu", dtype=torch.int64).reshape(-1)
@@ -559,10 +648,12 @@ def digest_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, 
     least ``length`` entries), the same call on prefill (before sending) and on decode (over
     its own row, after receiving). ``state_indices``: the request's state slots (Mamba pools;
     required there). ``swa_window``: the sliding window in tokens (SWA pools; required there).
-    ``path``: ``auto``, ``stream`` (zero-copy from the pool, CPU tensors only) or ``gather``;
-    all give the same digest. ``pool`` may be a :class:`Prepared` pool (no per-call setup).
+    ``path``: ``auto``, ``stream`` (zero-copy from the pool, CPU tensors only), ``gather`` or
+    ``triton`` (leaves hashed on the device by :mod:`kv_digest_triton`; ``auto`` takes it for
+    pools on a CUDA/HIP device, see :func:`_device_path`); all give the same digest. ``pool``
+    may be a :class:`Prepared` pool (no per-call setup).
     """
-    if path not in ("auto", "stream", "gather"):
+    if path not in ("auto", "stream", "gather", "triton"):
         raise ValueError(f"unknown path {path!r}")
     prefix, length = int(prefix), int(length)
     if not 0 <= prefix <= length:
@@ -601,15 +692,10 @@ def digest_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, 
     scratch: dict[int, torch.Tensor] = {}
     runs_by_space = {s: _runs(a) for s, a in np_idx.items()}
 
-    h = xxhash.xxh3_128()
-    h.update(MAGIC + sig.digest)
-    h.update(struct.pack("<7Q", int(room) & _U64, int(generation) & _U64, prefix,
-                         length - prefix, window, n_state, len(comps)))
+    # Every index is checked before any row is read (on a GPU an out-of-range gather is a
+    # device fault, not an exception).
     for c in comps:
-        idx = idx_by_space[c.space]
-        n = int(idx.numel())
-        h.update(struct.pack("<Q", n))
-        if n == 0:
+        if idx_by_space[c.space].numel() == 0:
             continue
         lo, hi = bounds[c.space]
         _check_range(c, lo, hi, c.space.value)
@@ -618,6 +704,22 @@ def digest_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, 
             # points at it has no KV of its own (an SWA position whose window KV was freed).
             raise ValueError(f"a position of [{prefix}, {length}) maps to the padding slot 0 "
                              f"of {c.describe()}: it has no KV to digest")
+    on_device = path == "triton" or (path == "auto" and _device_path(comps))
+    device_leaves = _leaves_device(comps, idx_by_space) if on_device else None
+
+    h = xxhash.xxh3_128()
+    h.update(MAGIC + sig.digest)
+    h.update(struct.pack("<7Q", int(room) & _U64, int(generation) & _U64, prefix,
+                         length - prefix, window, n_state, len(comps)))
+    for ci, c in enumerate(comps):
+        idx = idx_by_space[c.space]
+        n = int(idx.numel())
+        h.update(struct.pack("<Q", n))
+        if n == 0:
+            continue
+        if device_leaves is not None:
+            h.update(b"".join(device_leaves[ci]))
+            continue
         t = leaf_rows(c.row_bytes)
         key = (c.space, t)
         if key not in plans:

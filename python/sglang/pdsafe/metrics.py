@@ -93,6 +93,33 @@ COUNTERS: dict[str, str] = {
     "coverage_waived_total":
         "Transfers from such a stock prefill committed without a coverage attestation because "
         "SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS waives coverage-attestation (per request).",
+    # KV content digest (issue 10)
+    "kv_digest_mismatch_total":
+        "Transfers refused before their first decode step: the KV decode holds for the "
+        "request's token range differs from what prefill digested (corruption in the transfer, "
+        "the pages or the hardware; or upstream's test injector).",
+    "kv_digest_missing_total":
+        "Transfers refused before their first decode step: prefill sent no KV digest (a "
+        "prefill without it, another release, or one whose digest failed).",
+    "kv_digest_invalid_total":
+        "Transfers refused before their first decode step: the digest row fails its check, "
+        "names another KV layout, another room, generation or token range, or the backend says "
+        "the prefill shards the KV differently.",
+    "kv_digest_failed_total":
+        "KV digests that could not be computed (prefill: the transfer then carries no digest "
+        "and decode refuses it; decode: the request is refused).",
+    "kv_digest_waived_total":
+        "Transfers from a stock prefill (no pdsafe wire version) committed without a KV digest "
+        "because SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS waives kv-digest (per request).",
+    "kv_digest_verified_total":
+        "Transfers whose KV decode verified against prefill's digest before their first "
+        "decode step (the rate of checks: zero while PD traffic flows means nothing is "
+        "checked).",
+    "kv_breaker_opened_total":
+        "Times this decode stopped serving because KV digest mismatches reached "
+        "SGLANG_PDSAFE_KV_MISMATCH_BREAKER (N in a window; stays stopped until restarted).",
+    "kv_breaker_refused_total":
+        "New PD requests a decode refused (503) because its KV mismatch breaker is open.",
 }
 GAUGES: dict[str, str] = {
     "quarantined_tokens":

@@ -13,10 +13,12 @@ Here:
 
 * **Publish** (prefill): :func:`published` computes this server's :class:`PairSettings`
   (wire version, page size, effective context length, longest accepted prompt, chat-template
-  digest, KV dtype and layout); the prefill's ``_init_kv_manager`` puts them in its ``KVArgs``,
-  ``register_to_bootstrap`` sends them with the topology row, and the bootstrap server returns
-  them in ``GET /route`` to a decode that asks (``?pdsafe_pair=1``): a stock decode builds
-  ``PrefillServerInfo(**payload)`` and would fail on an unknown key, so it never gets one.
+  digest, KV dtype and layout, KV digest scheme or ``off``: a verifying decode never pairs
+  with a fork prefill that sends no digest); the prefill's ``_init_kv_manager`` puts them in
+  its ``KVArgs``, ``register_to_bootstrap`` sends them with the topology row, and the
+  bootstrap server returns them in ``GET /route`` to a decode that asks (``?pdsafe_pair=1``):
+  a stock decode builds ``PrefillServerInfo(**payload)`` and would fail on an unknown key, so
+  it never gets one.
 * **Compare** (decode): :func:`ensure_prefill_info` replaces the decode's call of
   ``try_ensure_parallel_info``. It compares the prefill's published settings with its own
   (:func:`compare`: every differing field, with both values) and turns upstream's own
@@ -70,7 +72,7 @@ MISMATCH = "pair_setting_mismatch_total"
 FAILED = "pair_agreement_failed_total"
 #: Fields a pair must share (the order of the error message).
 ENFORCED: tuple[str, ...] = ("wire_version", "page_size", "kv_cache_dtype", "kv_layout",
-                             "context_length", "chat_template")
+                             "context_length", "chat_template", "kv_digest")
 #: Seconds a refusal stands before the prefill is asked again.
 RECHECK_S = 10.0
 #: Prefills remembered per decode (refused or logged); the oldest are forgotten first.
@@ -126,6 +128,8 @@ class PairSettings:
     context_length: int | None
     chat_template: str | None
     max_prompt_tokens: int | None = None
+    #: The KV digest scheme this leg sends/verifies, or "off" (``kv_integrity.advertised``).
+    kv_digest: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -183,6 +187,8 @@ REMEDIES = {
                       "large, or --disaggregation-clamp-context-to-kv-capacity on both with "
                       "equal pools)",
     "chat_template": "start both with the same --chat-template (or the same tokenizer)",
+    "kv_digest": "run both with the same SGLANG_PDSAFE_KV_DIGEST (unset: on) and the same "
+                 "sglang-pdsafe release",
 }
 
 
@@ -238,6 +244,8 @@ def local_settings(scheduler: Any, kv_args: Any) -> PairSettings:
                                                                    None)
     ctx = getattr(model_config, "context_len", None)
     limit = getattr(scheduler, "max_req_input_len", None)
+    from sglang.pdsafe import kv_integrity
+
     return PairSettings(
         wire_version=WIRE_VERSION,
         page_size=int(kv_args.page_size) if getattr(kv_args, "page_size", None) else None,
@@ -247,6 +255,7 @@ def local_settings(scheduler: Any, kv_args: Any) -> PairSettings:
         context_length=int(ctx) if ctx is not None else None,
         chat_template=chat_template_digest(getattr(scheduler, "server_args", None)),
         max_prompt_tokens=int(limit) - 1 if limit is not None else None,
+        kv_digest=kv_integrity.advertised(getattr(scheduler, "server_args", None)),
     )
 
 

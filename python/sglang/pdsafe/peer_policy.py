@@ -2,13 +2,14 @@
 
 A prefill announces its pdsafe capabilities in the pair settings it publishes at bootstrap
 (``pair_agreement``: ``wire_version`` ``sglang-pdsafe-pair/N``; a stock 0.5.23 prefill publishes
-none). Two decode protections need the prefill's cooperation:
+none). Three decode protections need the prefill's cooperation:
 
 =========================  ===================================================================
 protection                 what a stock prefill lacks
 =========================  ===================================================================
 ``pair-agreement``         it publishes no wire version, context length or chat template
 ``coverage-attestation``   it writes no attestation into the metadata row
+``kv-digest``              it sends no KV digest row (the row stays zero)
 =========================  ===================================================================
 
 **Default (safe): refuse.** The decode refuses to pair with such a prefill, once, at bootstrap,
@@ -29,6 +30,12 @@ the table). Then:
   and a prefill that announced a pdsafe wire version never gets the waiver (it must attest).
   Waiving only ``pair-agreement`` pairs the prefill but still refuses every transfer from it
   (no attestation): useful only to see the pairs come up before allowing traffic.
+* ``kv-digest`` waived too: a transfer *from such a prefill* whose digest row is empty (all
+  zero, what a stock prefill leaves) enters its first decode step unverified, counted per
+  request in ``sglang:pdsafe_kv_digest_waived_total``. A row that carries a digest is always
+  verified; a pdsafe prefill never gets the waiver. Without it (the default) every transfer
+  from a stock prefill fails the KV integrity check ("no digest"), so a rolling upgrade with
+  the digest on lists all three: ``pair-agreement,coverage-attestation,kv-digest``.
 
 Fork prefills of another release announce another wire version: they are refused at bootstrap
 (``pair_agreement``), never waived here.
@@ -53,7 +60,8 @@ logger = logging.getLogger("sglang.pdsafe.peer_policy")
 ENV_WAIVE = "SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS"
 PAIR_AGREEMENT = "pair-agreement"
 COVERAGE = "coverage-attestation"
-WAIVABLE: tuple[str, ...] = (PAIR_AGREEMENT, COVERAGE)
+KV_DIGEST = "kv-digest"
+WAIVABLE: tuple[str, ...] = (PAIR_AGREEMENT, COVERAGE, KV_DIGEST)
 _ATTR = "_pdsafe_stock_peers"
 
 _warned_unknown: set[str] = set()
@@ -136,3 +144,15 @@ def coverage_waived(decode_req: Any) -> bool:
         return False
     metrics.inc("coverage_waived_total")
     return True
+
+
+def digest_waivable(decode_req: Any) -> bool:
+    """Whether a transfer whose KV digest row is empty may decode unverified: only from a
+    prefill paired as a stock peer, with ``kv-digest`` waived (``kv_integrity`` decides at the
+    check, from the row, and counts each waived transfer)."""
+    if KV_DIGEST not in waived():
+        return False
+    receiver = getattr(decode_req, "kv_receiver", None)
+    kv_mgr = getattr(receiver, "kv_mgr", None)
+    addr = getattr(receiver, "bootstrap_addr", None)
+    return kv_mgr is not None and addr is not None and str(addr) in stock_peers(kv_mgr)

@@ -141,6 +141,7 @@ HOOK_MODULES: tuple[str, ...] = (
     "sglang.pdsafe.quarantine",
     "sglang.pdsafe.write_fence",
     "sglang.pdsafe.peer_policy",
+    "sglang.pdsafe.kv_integrity",
 )
 
 

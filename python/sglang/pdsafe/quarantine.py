@@ -426,7 +426,8 @@ CHECK_FAILED_REFUSAL = Refusal(
 
 @guarded("quarantine.door", FAILED, default=CHECK_FAILED_REFUSAL)
 def door(queue: Any, *, reentry: bool = False) -> Refusal | None:
-    """``DecodePreallocQueue.add``: refuse a new PD request (503) while over the limit.
+    """``DecodePreallocQueue.add``: refuse a new PD request (503) while over the limit, or
+    while the KV mismatch breaker is open (:mod:`kv_breaker`: the decode stopped serving).
 
     Takes the queue (its ``kv_manager`` anchors the quarantine, its
     ``token_to_kv_pool_allocator.size`` is the pool); a queue whose manager never held
@@ -434,7 +435,15 @@ def door(queue: Any, *, reentry: bool = False) -> Refusal | None:
     re-bootstrapping request (``reentry``) is never refused: it already owns its place. The
     caller aborts the request and tells the prefill.
     """
-    if reentry or not enabled():
+    if reentry:
+        return None
+    from sglang.pdsafe import kv_breaker
+
+    stopped = kv_breaker.refusal_message()
+    if stopped is not None:  # the KV mismatch breaker is open: this decode stopped serving
+        metrics.inc("kv_breaker_refused_total")
+        return Refusal(stopped, kv_breaker.STATUS)
+    if not enabled():
         return None
     q = getattr(getattr(queue, "kv_manager", None), _REGISTRY_ATTR, None)
     if q is None:
@@ -457,9 +466,12 @@ def refused(req: Any) -> None:
 
 def health_refusal(errors: Iterable[BaseException]) -> str | None:
     """``/health``: the reason to answer 503 when the health check itself was refused because
-    this decode is over its quarantine limit (the message of that refusal), else None."""
+    this decode is over its quarantine limit or its KV mismatch breaker is open (the message
+    of that refusal), else None."""
+    from sglang.pdsafe.kv_breaker import MARKER as BREAKER_MARKER
+
     for e in errors:
         text = str(getattr(e, "detail", None) or e)
-        if LIMIT_MARKER in text:
+        if LIMIT_MARKER in text or BREAKER_MARKER in text:
             return text
     return None

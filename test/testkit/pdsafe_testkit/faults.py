@@ -25,6 +25,25 @@ so it sees the hooked function.
     before it decodes: exactly the effect of a transfer that left N positions holding another
     request's KV.
 
+    A request whose rid starts with ``pdsafe-fault-postcheck-`` gets the same foreign KV
+    *after* decode's KV digest check passed, right before its first decode step (a ``BEFORE``
+    hook of upstream's ``ScheduleBatchDisaggregationDecodeMixin.process_prebuilt``, which
+    decode calls after the check, with or without the digest patch): KV that changes after
+    the check, which the digest cannot see by design. The oracle's self-test uses it, so that
+    the oracle is shown to see foreign content in every tree, while the digest refuses the
+    ``pdsafe-fault-inject-`` case.
+
+``SGLANG_PDSAFE_TEST_FAULTS=kv_corrupt`` (a decode-side fault, issue 10's corruption family)
+    At decode commit (the same ``BEFORE`` hook of the commit gate as ``foreign_kv``), after
+    the transfer landed and before decode's KV digest check, a request whose rid starts with
+    ``pdsafe-fault-corrupt-MODE-`` has the bytes prefill wrote into its pages changed:
+    ``bit`` one bit of one byte (layer, K or V, owned position, byte and bit drawn from the
+    rid), ``lastpage`` one bit in the last owned position (the partial last page's slot),
+    ``page`` one page of owned positions of one layer's K zeroed (or set to 0x5A where they
+    are zero), ``layer`` every owned position of one layer's V changed by one bit. For the
+    digest it is the same as bytes changed in flight: decode's pages differ from what prefill
+    digested. Each corruption is logged (``TEST FAULT kv_corrupt``) with what it changed.
+
 ``SGLANG_PDSAFE_TEST_FAULTS=late_write:SECONDS`` (a prefill-side fault)
     The prefill transfer worker's KV write (Mooncake ``MooncakeKVManager.send_kvcache`` /
     ``send_kvcache_slice``, NIXL ``NixlKVManager.send_kvcache`` / ``send_kvcache_slice`` /
@@ -56,6 +75,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -64,11 +84,22 @@ ENV = "SGLANG_PDSAFE_TEST_FAULTS"
 PLUGIN_NAME = "pdsafe_test_faults"
 SOURCE_PREFIX = "pdsafe-fault-source-"
 INJECT_PREFIX = "pdsafe-fault-inject-"
+#: Foreign KV written after decode's KV digest check passed (see the module doc).
+POSTCHECK_PREFIX = "pdsafe-fault-postcheck-"
+#: ``kv_corrupt``: rids ``pdsafe-fault-corrupt-MODE-...`` get their transferred KV changed.
+CORRUPT_PREFIX = "pdsafe-fault-corrupt-"
+CORRUPT_MODES = ("bit", "lastpage", "page", "layer")
+#: Log line of an applied ``kv_corrupt`` change.
+CORRUPT_LOG = "TEST FAULT kv_corrupt"
 #: The product's decode commit gate (stable name and signature; see commit_gate.py).
 TARGET = "sglang.pdsafe.commit_gate.admit_commit"
+#: Upstream's first step of a new decode batch, after the KV digest check
+#: (``POSTCHECK_PREFIX`` writes right before it).
+POSTCHECK_TARGET = ("sglang.srt.disaggregation.decode_schedule_batch_mixin."
+                    "ScheduleBatchDisaggregationDecodeMixin.process_prebuilt")
 DEFAULT_FOREIGN_KV = 16
 #: Fault names ``SGLANG_PDSAFE_TEST_FAULTS`` may name (anything else is refused).
-KNOWN_FAULTS = ("foreign_kv", "late_write")
+KNOWN_FAULTS = ("foreign_kv", "late_write", "kv_corrupt")
 
 #: Bootstrap rooms whose KV writes ``late_write`` holds back (tests pick rooms from here).
 LATE_ROOM_BASE = 0x1A7E << 48
@@ -163,6 +194,31 @@ class ForeignKV:
         """BEFORE hook of ``admit_commit``: apply the fault, keep the gate's arguments."""
         self.on_decode_commit(transfer_queue.scheduler, decode_req.req)
 
+    def before_prebuilt(self, batch: Any, *args: Any, **kwargs: Any) -> None:
+        """BEFORE hook of ``process_prebuilt``: write the foreign KV into the batch's requests
+        with ``POSTCHECK_PREFIX`` (they passed every check; the next step decodes them)."""
+        pools = None
+        for req in getattr(batch, "reqs", ()):
+            rid = getattr(req, "rid", None)
+            if isinstance(rid, str) and rid.startswith(POSTCHECK_PREFIX):
+                pools = pools or SimpleNamespace(
+                    token_to_kv_pool_allocator=batch.token_to_kv_pool_allocator,
+                    req_to_token_pool=batch.req_to_token_pool)
+                self._overwrite(pools, req, rid)
+
+    def _overwrite(self, scheduler: Any, req: Any, rid: str) -> None:
+        """Write the captured foreign KV over ``req``'s last N prompt positions."""
+        if self.snapshot is None:
+            logger.warning("TEST FAULT: no foreign KV captured yet for %s", rid)
+            return
+        pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+        locs = _prompt_locs(scheduler, req, self.n)
+        for (k, v), i in zip(self.snapshot, _layers(pool), strict=True):
+            m = min(len(locs), k.shape[0])
+            pool.get_key_buffer(i)[locs[-m:]] = k[-m:]
+            pool.get_value_buffer(i)[locs[-m:]] = v[-m:]
+        logger.warning("TEST FAULT: wrote foreign KV into %d positions of %s", len(locs), rid)
+
     def on_decode_commit(self, scheduler: Any, req: Any) -> None:
         """Apply the fault to ``req`` right before its transferred KV is committed."""
         rid = getattr(req, "rid", None)
@@ -176,14 +232,69 @@ class ForeignKV:
                 for i in _layers(pool)
             ]
             logger.warning("TEST FAULT: captured KV of %d positions from %s", len(locs), rid)
-        elif rid.startswith(INJECT_PREFIX) and self.snapshot is not None:
-            pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-            locs = _prompt_locs(scheduler, req, self.n)
-            for (k, v), i in zip(self.snapshot, _layers(pool), strict=True):
-                m = min(len(locs), k.shape[0])
-                pool.get_key_buffer(i)[locs[-m:]] = k[-m:]
-                pool.get_value_buffer(i)[locs[-m:]] = v[-m:]
-            logger.warning("TEST FAULT: wrote foreign KV into %d positions of %s", len(locs), rid)
+        elif rid.startswith(INJECT_PREFIX):
+            self._overwrite(scheduler, req, rid)
+
+
+@dataclass
+class KvCorrupt:
+    """The armed ``kv_corrupt`` fault: change transferred KV bytes of ``CORRUPT_PREFIX`` rids.
+
+    Invariant: only requests whose rid starts with ``CORRUPT_PREFIX`` followed by a known mode
+    are touched, and only inside their own transferred range ``[cache_protected_len,
+    prompt length)`` (never another request's slots); the change is deterministic in the rid.
+    """
+
+    def before_commit(self, transfer_queue: Any, decode_req: Any) -> None:
+        """BEFORE hook of ``admit_commit``: corrupt, keep the gate's arguments."""
+        self.on_decode_commit(transfer_queue.scheduler, decode_req.req)
+
+    def on_decode_commit(self, scheduler: Any, req: Any) -> None:
+        rid = getattr(req, "rid", None)
+        if not isinstance(rid, str) or not rid.startswith(CORRUPT_PREFIX):
+            return
+        mode = rid[len(CORRUPT_PREFIX):].split("-", 1)[0]
+        if mode not in CORRUPT_MODES:
+            logger.warning("%s: unknown mode %r in rid %s; untouched", CORRUPT_LOG, mode, rid)
+            return
+        import random as _random
+
+        import torch
+
+        rng = _random.Random(rid)
+        pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+        prompt_len = len(req.origin_input_ids)
+        first = int(getattr(req.kv, "cache_protected_len", 0) or 0)
+        row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        locs = row[first:prompt_len].long()
+        layers = list(_layers(pool))
+        layer = rng.choice(layers)
+        page = max(1, int(getattr(pool, "page_size", 1) or 1))
+        if mode in ("bit", "lastpage"):
+            pos = len(locs) - 1 if mode == "lastpage" else rng.randrange(len(locs))
+            which = rng.choice("KV")
+            buf = (pool.get_key_buffer if which == "K" else pool.get_value_buffer)(layer)
+            raw = buf[int(locs[pos])].view(torch.uint8).view(-1)
+            byte, bit = rng.randrange(raw.numel()), rng.randrange(8)
+            raw[byte] ^= 1 << bit
+            what = (f"flipped bit {bit} of byte {byte} of {which} at layer {layer}, owned "
+                    f"position {first + pos} (slot {int(locs[pos])})")
+        elif mode == "page":
+            start = rng.randrange(0, len(locs), page) if len(locs) > page else 0
+            sel = locs[start:start + page]
+            buf = pool.get_key_buffer(layer)
+            raw = buf[sel].view(torch.uint8)
+            buf[sel] = (raw ^ 0x5A).view(buf.dtype) if raw.any() else \
+                torch.full_like(raw, 0x5A).view(buf.dtype)
+            what = (f"changed every byte of K at layer {layer}, owned positions "
+                    f"{first + start}..{first + start + len(sel) - 1}")
+        else:  # layer
+            buf = pool.get_value_buffer(layer)
+            raw = buf[locs].view(torch.uint8)
+            raw.view(len(locs), -1)[:, 0] ^= 1
+            buf[locs] = raw.view(buf.dtype)
+            what = f"flipped bit 0 of the first byte of V in every owned position at layer {layer}"
+        logger.warning("%s: rid %s, mode %s: %s", CORRUPT_LOG, rid, mode, what)
 
 
 def _prompt_locs(scheduler: Any, req: Any, n: int) -> Any:
@@ -353,6 +464,7 @@ class LateWrite:
 #: The armed faults of this process (None until :func:`register` armed them).
 armed: ForeignKV | None = None
 armed_late_write: LateWrite | None = None
+armed_corrupt: KvCorrupt | None = None
 
 
 def register() -> None:
@@ -362,13 +474,15 @@ def register() -> None:
     value raises ``ValueError`` (sglang's loader logs it: the server runs unarmed and says so).
     Idempotent within a process: a second call registers nothing more.
     """
-    global armed, armed_late_write
+    global armed, armed_late_write, armed_corrupt
     spec = os.environ.get(ENV, "")
-    if not spec.strip() or armed is not None or armed_late_write is not None:
+    if not spec.strip() or armed is not None or armed_late_write is not None \
+            or armed_corrupt is not None:
         return
     n = parse_foreign_kv(spec)
     seconds = parse_late_write(spec)
-    if not n and not seconds:
+    corrupt = "kv_corrupt" in parse_spec(spec)
+    if not n and not seconds and not corrupt:
         logger.warning("%s=%r names no known test fault; nothing armed", ENV, spec)
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -376,11 +490,21 @@ def register() -> None:
     if n:
         armed = ForeignKV(n)
         HookRegistry.register(TARGET, armed.before_commit, HookType.BEFORE)
+        HookRegistry.register(POSTCHECK_TARGET, armed.before_prebuilt, HookType.BEFORE)
         logger.warning(
             "TEST FAULT ARMED (%s=%s, plugin %s, pid %d): at decode commit (%s), requests with "
             "rid prefix %r get the KV of the last %d prompt positions of the last request with "
             "rid prefix %r. Never install sglang-pdsafe-testkit or set this outside tests.",
             ENV, spec, PLUGIN_NAME, os.getpid(), TARGET, INJECT_PREFIX, n, SOURCE_PREFIX,
+        )
+    if corrupt:
+        armed_corrupt = KvCorrupt()
+        HookRegistry.register(TARGET, armed_corrupt.before_commit, HookType.BEFORE)
+        logger.warning(
+            "TEST FAULT ARMED (%s=%s, plugin %s, pid %d): at decode commit (%s), requests with "
+            "rid prefix %r get their transferred KV bytes changed (modes %s). Never install "
+            "sglang-pdsafe-testkit or set this outside tests.",
+            ENV, spec, PLUGIN_NAME, os.getpid(), TARGET, CORRUPT_PREFIX, CORRUPT_MODES,
         )
     if seconds:
         armed_late_write = LateWrite(seconds)
