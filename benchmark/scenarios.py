@@ -15,13 +15,20 @@ checked against the transfer counters (``evidence``). Victim requests carry cana
 Invariant: a scenario function only sends requests and reads state; it never changes the
 servers' configuration, so a deployment target sees exactly what clients could do. The
 exceptions are harness only (never ``deployment_ok``): the scenarios of the ``late_write`` stack
-run against servers armed with the testkit's test-only ``late_write`` fault, and
-``crash-prefill-mid-transfer`` SIGKILLs one of that stack's prefills (``PDTarget.killed``).
+run against servers armed with the testkit's test-only ``late_write`` fault,
+``crash-prefill-mid-transfer`` SIGKILLs one of that stack's prefills (``PDTarget.killed``),
+the corruption family asks the default stack's decode, armed with the test-only ``kv_corrupt``
+fault, to change a request's transferred KV (by its rid), and
+``abort-after-transfer-before-commit`` asks that decode's ``park_commit`` fault to hold a
+finished transfer before its commit (by its rid). The abort family's ``/abort_request`` calls
+are what any client of upstream's HTTP API can send.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -29,7 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdsafe_testkit.servers import GenResult, generate
+import requests
+from pdsafe_testkit.servers import GenResult, error_message, generate
 
 from benchmark import client
 from benchmark.evidence import Counters, read_counters
@@ -40,7 +48,13 @@ from benchmark.outcomes import (
     apply_evidence,
     classify,
 )
-from benchmark.targets import CHAT_SUFFIX, CTX_DIV_PREFILL_CONTEXT, PDTarget
+from benchmark.targets import (
+    CHAT_SUFFIX,
+    CTX_DIV_PREFILL_CONTEXT,
+    PARK_COMMIT_S,
+    PDTarget,
+    server_info,
+)
 
 if TYPE_CHECKING:
     from pdsafe_testkit.late_write import Trio
@@ -627,9 +641,12 @@ def _trio(ctx: Ctx) -> Trio:
     return trio
 
 
-def _late_write(ctx: Ctx, via: str, *, past_timeout: bool) -> None:
+def _late_write(ctx: Ctx, via: str, *, past_timeout: bool, abort_prefill: bool = False) -> None:
     """``late-write-*``: the victim through prefill ``via`` (``held`` or ``other`` of the
-    stack), the canary through the other one; see the two scenarios' docstrings."""
+    stack), the canary through the other one; see the two scenarios' docstrings.
+    ``abort_prefill`` (abort-mid-transfer): the victim is also aborted on its own prefill
+    (``/abort_request`` ``abort_all``: the canary goes through the other prefill, so the victim
+    is that prefill's only request) as soon as the prefill logs its held write."""
     from pdsafe_testkit import late_write as lw
 
     trio = _trio(ctx)
@@ -647,12 +664,32 @@ def _late_write(ctx: Ctx, via: str, *, past_timeout: bool) -> None:
     prefills = [trio.held.url, trio.other.url]
     before = read_counters(prefills, trio.decode.url)
     t0 = time.monotonic()
-    obs = lw.run_late_write(
-        trio, v_ids, b_ids, expected=ctx.ref.expected, variant=ctx.target.variant,
-        v_room=v_room, b_room=b_room, victim_via=vp, canary_via=bp,
-        v_answer_bound_s=max(ctx.knobs.bound_s, 60.0) + 30, b_timeout_s=ctx.knobs.bound_s)
+    prefill_abort: dict[str, Any] = {}
+    stop = threading.Event()
+
+    def abort_on_prefill() -> None:
+        while not stop.is_set():
+            if lw.event(vp, v_room, "held") is not None:
+                prefill_abort["t"] = time.time()
+                prefill_abort["http"] = abort_request(vp.url, abort_all=True)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=abort_on_prefill, name="abort-on-prefill", daemon=True)
+    if abort_prefill:
+        watcher.start()
+    try:
+        obs = lw.run_late_write(
+            trio, v_ids, b_ids, expected=ctx.ref.expected, variant=ctx.target.variant,
+            v_room=v_room, b_room=b_room, victim_via=vp, canary_via=bp,
+            v_answer_bound_s=max(ctx.knobs.bound_s, 60.0) + 30, b_timeout_s=ctx.knobs.bound_s)
+    finally:
+        stop.set()
+        if abort_prefill:
+            watcher.join(timeout=10)
     wall = time.monotonic() - t0
-    jobs = [_answered_job("late-victim", "pd-direct (aborted on decode)", v_ids, lw.V_NEW,
+    where = "decode and its prefill" if abort_prefill else "decode"
+    jobs = [_answered_job("late-victim", f"pd-direct (aborted on {where})", v_ids, lw.V_NEW,
                           v_owner, _late_answer(obs.v_result, obs.v_answer_s,
                                                 ctx.knobs.bound_s, "late-victim"),
                           obs.v_prefill_result)]
@@ -675,6 +712,20 @@ def _late_write(ctx: Ctx, via: str, *, past_timeout: bool) -> None:
         f"{len(obs.b_prompt_pages)}; /health while refused {obs.health_during[:120]!r}, "
         f"after {obs.health_after[:60]!r}")
     problems = lw.design_problems(obs)
+    if abort_prefill:
+        writing = lw.event(vp, v_room, "writing")
+        t_pa = prefill_abort.get("t")
+        ctx.notes.append(
+            f"V aborted on its prefill too (/abort_request abort_all, HTTP "
+            f"{prefill_abort.get('http')}) "
+            + ("never" if t_pa is None else f"{t_pa - obs.t_held:+.2f}s")
+            + f" from the hold (on decode {obs.t_abort - obs.t_held:+.2f}s); V's prefill leg "
+              f"answered {obs.v_prefill_result.status if obs.v_prefill_result else None}")
+        if prefill_abort.get("http") != 200:
+            problems.append(f"the victim's prefill did not take /abort_request (HTTP "
+                            f"{prefill_abort.get('http')})")
+        elif writing is not None and t_pa is not None and t_pa >= writing.at:
+            problems.append("the prefill abort came after the held write went out")
     if late_after_abort is not None and (late_after_abort > lw.RELEASE_TIMEOUT_S) != past_timeout:
         problems.append(f"the late write landed {late_after_abort}s after the abort, "
                         f"{'within' if past_timeout else 'past'} upstream's "
@@ -787,8 +838,604 @@ def crash_prefill_mid_transfer(ctx: Ctx) -> None:
         f"{obs.other_prefill_alive}")
 
 
+# ----------------------------------------------------------------------------- aborts
+#
+# The abort family: a client abort in each phase of a PD request, interleaved with normal canary
+# requests that run at the same time and afterwards on the pages the aborted requests held (or
+# would have held). The abort is upstream's ``POST /abort_request`` with the request's rid
+# (0.5.23's TokenizerManager forwards it only for a rid live on that server; the scheduler then
+# looks for it in every PD queue), or the client closing its connection (abort-during-decode).
+# Every aborted request carries a canary prompt and is judged like any other request: an
+# explicit error expected (the reference's answer also passes: the abort came too late to
+# matter); a leg of it that gets no answer within the bound is a hang (a leg left waiting for a
+# peer that dropped the request, holding its queue slot and pages); the normal requests are
+# judged against the reference, and a leak names the aborted request whose KV shows up.
+
+ABORT_PATH = "/abort_request"
+#: Tokens abort-during-decode reads from a stream before the client cuts it.
+CUT_AFTER_TOKENS = 4
+#: At most this many long requests hold a decode's pool for abort-prealloc (beyond that the
+#: deployment's pool is too large to fill from one client: the cell says so).
+MAX_HOLDERS = 8
+
+
+def abort_request(url: str, rid: str | None = None, *, abort_all: bool = False) -> int:
+    """POST upstream's ``/abort_request`` on ``url`` for ``rid`` (every request of the server
+    with ``abort_all``); the HTTP status, 0 when the server did not answer."""
+    body: dict[str, Any] = {"abort_all": True} if abort_all else {"rid": rid}
+    try:
+        return requests.post(url + ABORT_PATH, json=body, timeout=30).status_code
+    except requests.RequestException:
+        return 0
+
+
+def pd_load(url: str) -> dict[str, int]:
+    """One server's load from ``/v1/loads`` (summed over its schedulers; republished every
+    50 ms while a PD queue holds a request): ``num_running_reqs``, ``num_used_tokens``, the PD
+    queue lengths (``prefill_bootstrap_queue_reqs``, ``decode_prealloc_queue_reqs``,
+    ``decode_transfer_queue_reqs``, ...); ``{}`` when unreadable."""
+    try:
+        body = requests.get(url + "/v1/loads", timeout=10).json()
+    except (requests.RequestException, ValueError):
+        return {}
+    out: dict[str, int] = {}
+    for ld in (body.get("loads") or []) if isinstance(body, dict) else []:
+        flat = dict(ld)
+        flat.update(ld.get("disaggregation") or {})
+        for k, v in flat.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = out.get(k, 0) + int(v)
+    return out
+
+
+def _queued(url: str, key: str, base: int, done: Callable[[], bool],
+            timeout_s: float = 10.0) -> bool:
+    """Whether ``url``'s queue ``key`` grew past ``base`` before ``done()`` (the request already
+    answered) or ``timeout_s``: the request sits in that phase."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not done():
+        if pd_load(url).get(key, 0) > base:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _pd_body(ctx: Ctx, prompt: list[int], max_new: int, rid: str, *,
+             stream: bool = False) -> dict[str, Any]:
+    """A greedy body for both legs of one PD request (what the router sends each leg)."""
+    t = ctx.target
+    return client.greedy_payload(prompt, max_new, stream=stream, rid=rid,
+                                 bootstrap_host=t.bootstrap_host,
+                                 bootstrap_port=t.bootstrap_port,
+                                 bootstrap_room=ctx.rng.randrange(1 << 62))
+
+
+def _add_note(job: Job, note: str) -> None:
+    job.side["note"] = (job.side.get("note", "") + " " + note).strip()
+
+
+def _legs_answer(job: Job, decode: Answer, prefill: Answer | None) -> Answer:
+    """What a request is judged on: decode's answer (what the router returns), unless its
+    prefill leg got no answer within the bound: then a hang (a leg left waiting for a peer
+    that dropped the request). The prefill leg's status goes into the detail."""
+    if prefill is not None:
+        job.side["prefill"] = (prefill.status, prefill.message[:200], prefill.timed_out)
+        if prefill.timed_out and not decode.timed_out:
+            _add_note(job, f"[hang: the prefill leg got no answer within the bound; decode "
+                           f"answered {decode.status} {decode.message[:120]!r}]")
+            return Answer(status=None, timed_out=True, e2e_s=prefill.e2e_s)
+    return decode
+
+
+def _normals(ctx: Ctx, tag: str, n: int, limit: int) -> list[Job]:
+    """``n`` normal canary requests (48 tokens up to 240 or the limit), sent the way clients
+    send them; they reuse the pages the aborted requests held or would have held."""
+    jobs = []
+    for i, length in enumerate(_lengths(ctx.rng, n, 48, max(64, min(limit - 1, 240)))):
+        label = f"{tag}-{i}"
+        owner, p = ctx.canary(label, length)
+        jobs.append(ctx.normal(label, p, canary=owner))
+    return jobs
+
+
+def abort_bootstrap(ctx: Ctx) -> None:
+    """A client abort while one leg of a PD request waits in bootstrap for the other leg,
+    which arrives after the abort; normal requests run at the same time and afterwards.
+
+    Per attack (alternating): the prefill leg alone (the prefill's bootstrap queue holds it:
+    no decode has claimed its room), aborted there with ``/abort_request``; or the decode leg
+    alone, once decode pre-allocated its pages and sent their indices to the prefill (the
+    decode's transfer queue holds it), aborted there. The phase is reached when that queue
+    grew by the request (``/v1/loads``); the abort is sent then. The other leg is then sent
+    with the same room (a router leg that arrives late), concurrently with normal canary
+    requests, then more normal requests follow. Judged: the aborted request (decode's answer;
+    a leg without an answer within the bound is a hang) and every normal request.
+
+    Expected: an explicit error for the aborted request, both legs answered, the normal
+    requests identical. A hang: the late decode leg waits for KV from a prefill that dropped
+    the request and never said so (stock: until its 300 s waiting timeout, its pages held);
+    or the late prefill leg waits for a decode that aborted; or normal requests sent meanwhile
+    never get through bootstrap (measured with stock: docs/benchmark.md). A leak: a normal
+    request's answer carries the aborted request's canary tokens (the late prefill leg wrote
+    into pages the aborted decode leg had reserved, after decode released them: the prefill
+    still holds the room's stale page indices). Probes UPSTREAM-GAPS 1 "peer not told" (a
+    request dropped at one leg leaves the other waiting for its timeout) and 2 (room ids are
+    client supplied, no generation: the late leg meets the aborted leg's room state).
+    """
+    limit, _ = _pair_limit(ctx)
+    _victims(ctx, ctx.knobs.victims, min(limit - 1, 160))
+    t, bound = ctx.target, ctx.knobs.bound_s
+    late: list[Job] = []
+    reached = 0
+    for i in range(ctx.knobs.attacks):
+        first, other = ("prefill", "decode") if i % 2 == 0 else ("decode", "prefill")
+        label = f"abort-boot-{first}-first-{i}"
+        owner, p = ctx.canary(label, ctx.rng.randint(64, max(80, min(limit - 1, 200))))
+        rid = f"{label}-{uuid.uuid4().hex}"
+        body = _pd_body(ctx, p, ctx.knobs.max_new, rid)
+        url = t.prefill_url if first == "prefill" else t.decode_url
+        late_url = t.decode_url if first == "prefill" else t.prefill_url
+        key = "prefill_bootstrap_queue_reqs" if first == "prefill" else "decode_transfer_queue_reqs"
+        base = pd_load(url).get(key, 0)
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(client.send, url, body, bound_s=bound)
+            inside = _queued(url, key, base, fut.done)
+            t_abort = time.monotonic()
+            http = abort_request(url, rid)
+            first_ans = fut.result()
+            answered_s = time.monotonic() - t_abort
+        reached += inside
+        ctx.notes.append(
+            f"{label}: the {first} leg {'sat in' if inside else 'was NOT seen in'} {key} when "
+            f"aborted (/abort_request HTTP {http}) and answered {answered_s:.2f}s later: HTTP "
+            f"{first_ans.status} {first_ans.message[:100]!r}"
+            f"{' (no answer within the bound)' if first_ans.timed_out else ''}; the {other} leg "
+            f"was sent after that")
+        job = Job(label, f"pd-direct ({first} leg aborted in bootstrap, {other} leg late)", p,
+                  ctx.knobs.max_new, lambda: Answer(status=None), owner)
+
+        def call(job: Job = job, first: str = first, first_ans: Answer = first_ans,
+                 body: dict[str, Any] = body, late_url: str = late_url) -> Answer:
+            second = client.send(late_url, body, bound_s=bound)
+            if first == "prefill":
+                return _legs_answer(job, second, first_ans)
+            return _legs_answer(job, first_ans, second)
+
+        job.call = call
+        late.append(job)
+    ctx.run_phase("late-legs", late + _normals(ctx, "during", ctx.knobs.attacks, limit),
+                  concurrency=2 * len(late) or 1)
+    _after(ctx, ctx.knobs.victims, limit)
+    if late and not reached:
+        raise ScenarioNotAsDesigned("no aborted leg was seen waiting in its bootstrap queue "
+                                    "when the abort was sent (notes)")
+
+
+def abort_prealloc(ctx: Ctx) -> None:
+    """A client abort while decode holds the request in its pre-allocation queue (no pages
+    yet: the pool is held by long-running requests); normal requests queue behind it and get
+    the pages afterwards.
+
+    How the phase is reached: one (harness: 1024-token pool) or more "holder" requests (32
+    tokens, up to 900 new tokens as the context allows, streamed) run on decode; decode admits
+    a request only with its prompt plus ``num_reserved_decode_tokens`` (512) per running
+    request free, so every request sent meanwhile waits in its pre-allocation queue. The
+    attack requests (canary prompts, both legs) are sent, seen in that queue (``/v1/loads``),
+    and aborted on decode with ``/abort_request`` (every other one also on the prefill, as a
+    client disconnect through the router would). Normal canary requests are sent right after
+    the aborts (they wait behind the holders); once every aborted request answered, the
+    holders' client disconnects (the pool is held as long as needed, however fast the box
+    decodes), then more normal requests follow. Judged: holders (on the first tokens they
+    streamed), aborted requests (decode's answer; a leg without an answer within the bound is
+    a hang) and normal requests.
+
+    Expected: an explicit error for each aborted request on both legs, the holders and normal
+    requests identical. A hang: the prefill leg of a request aborted on decode only, never told
+    (it waits for its 300 s bootstrap timeout). A leak: a normal request's answer carries an
+    aborted request's canary tokens (the aborted request got pages after all and its KV was
+    written into them after they were handed on). Probes UPSTREAM-GAPS 1 "peer not told" and 2
+    (deferred release only covers requests whose pages were announced to the prefill: a
+    pre-allocation abort is released at once). A deployment whose decode pool would need more
+    than ``MAX_HOLDERS`` holders makes the cell an ``error`` saying so.
+    """
+    limit, _ = _pair_limit(ctx)
+    _victims(ctx, ctx.knobs.victims, min(limit - 1, 160))
+    t, bound = ctx.target, ctx.knobs.bound_s
+    si = server_info(t.decode_url)
+    pool = int(si.get("max_total_num_tokens") or 0)
+    context = int(si.get("context_length") or 0)
+    reserved = int(si.get("num_reserved_decode_tokens") or 512)
+    h_len, v_len = 32, min(limit - 1, 120)
+    hold_new = min(max(64, context - h_len - 8), 900)
+    n_hold = max(1, (pool - v_len - reserved) // (h_len + reserved) + 1)
+    if not pool or n_hold > MAX_HOLDERS:
+        raise ScenarioNotAsDesigned(
+            f"decode's pool ({pool} tokens, {reserved} reserved per running request) would need "
+            f"{n_hold} holder requests (at most {MAX_HOLDERS}) to keep a request in its "
+            "pre-allocation queue")
+    release = threading.Event()
+    holders = []
+    for k in range(n_hold):
+        owner, p = ctx.canary(f"prealloc-holder-{k}", h_len)
+        holders.append(_stream_job(ctx, f"prealloc-holder-{k}", p, hold_new, owner,
+                                   via_router=False, release=release,
+                                   total_s=ctx.knobs.bound_s + 60.0,
+                                   what="holder, cut by the client after the aborts"))
+    attacks: list[tuple[Job, str, dict[str, Any]]] = []
+    for i in range(ctx.knobs.attacks):
+        label = f"abort-prealloc-{i}"
+        owner, p = ctx.canary(label, v_len)
+        rid = f"{label}-{uuid.uuid4().hex}"
+        job = Job(label, "pd-direct (aborted in decode's pre-allocation queue"
+                  + (", and on the prefill)" if i % 2 else ")"), p, ctx.knobs.max_new,
+                  lambda: Answer(status=None), owner)
+        attacks.append((job, rid, _pd_body(ctx, p, ctx.knobs.max_new, rid)))
+    normals = _normals(ctx, "during", ctx.knobs.attacks, limit)
+    before = read_counters(t.prefill_url, t.decode_url)
+    t0 = time.monotonic()
+    width = n_hold + 2 * len(attacks) + len(normals)
+    with ThreadPoolExecutor(max_workers=width) as ex:
+        hold_futs = [ex.submit(job.call) for job in holders]
+        running = _queued(t.decode_url, "num_running_reqs", n_hold - 1,
+                          lambda: any(f.done() for f in hold_futs), 60.0)
+        time.sleep(0.2)  # the holders' first decode steps
+        base = pd_load(t.decode_url).get("decode_prealloc_queue_reqs", 0)
+        legs = [(ex.submit(client.send, t.prefill_url, body, bound_s=bound),
+                 ex.submit(client.send, t.decode_url, body, bound_s=bound))
+                for _, _, body in attacks]
+        seen = 0
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and seen < len(attacks):
+            seen = max(seen, pd_load(t.decode_url).get("decode_prealloc_queue_reqs", 0) - base)
+            if all(fd.done() for _, fd in legs):
+                break
+            time.sleep(0.05)
+        still = pd_load(t.decode_url).get("num_running_reqs", 0)
+        https = []
+        for i, (_, rid, _) in enumerate(attacks):
+            codes = [abort_request(t.decode_url, rid)]
+            if i % 2:
+                codes.append(abort_request(t.prefill_url, rid))
+            https.append(codes)
+        norm_futs = [ex.submit(job.call) for job in normals]
+        for (job, _, _), (fp, fd) in zip(attacks, legs, strict=True):
+            job.answer = _legs_answer(job, fd.result(), fp.result())
+        held_open = not any(f.done() for f in hold_futs)
+        release.set()  # the holders' clients go away: decode frees the pool for the normals
+        for job, f in zip(holders + normals, hold_futs + norm_futs, strict=True):
+            job.answer = f.result()
+    jobs = [*holders, *(j for j, _, _ in attacks), *normals]
+    ctx.on_request(len(jobs))
+    ctx.judge_phase("prealloc", jobs, before=before, wall_s=time.monotonic() - t0)
+    ctx.notes.append(
+        f"decode pool {pool}, {reserved} reserved per running request: {n_hold} holder(s) of "
+        f"{h_len} tokens + up to {hold_new} new, streamed (running: {running}; still streaming "
+        f"when every aborted request had answered: {held_open}, then cut by the client); "
+        f"{seen} of {len(attacks)} attack requests seen in decode's pre-allocation queue, "
+        f"{still} request(s) running when they were aborted (/abort_request HTTP, decode then "
+        f"prefill: {https})")
+    _after(ctx, ctx.knobs.victims, limit)
+    if attacks and not seen:
+        raise ScenarioNotAsDesigned("no attack request was seen in decode's pre-allocation "
+                                    "queue before the abort (notes)")
+
+
+def abort_mid_transfer(ctx: Ctx) -> None:
+    """A client abort on both legs while the victim's KV transfer is in flight: the
+    ``late-write-past-abort`` choreography (``pdsafe_testkit.late_write.run_late_write``, the
+    ``late_write`` stack) with the abort reaching the prefill too.
+
+    Victim V (3500 canary tokens, a late room) goes through the prefill whose test-only
+    ``late_write`` fault holds each of its KV writes 1 s (inside upstream's shortened 2 s
+    release timeout). The phase is reached when that prefill logs the held write (the write is
+    past the transfer worker's abort check, in flight): V is then aborted on the prefill
+    (``/abort_request`` ``abort_all``: V is that prefill's only request) and on the decode
+    (``/abort_request`` with V's rid), while canary B (700 tokens, 1500 generated) goes
+    through the other prefill onto V's pages (the pool sizes force it). Judged: V's decode
+    answer (an explicit error expected; a hang beyond the bound) and every try of B (refusals
+    count as explicit errors, the last try is judged against the reference).
+
+    The prefill's own abort makes it fail the room and free V's source pages while its worker
+    still holds the write; decode's ABORT then finds the room failed or already cleared on the
+    prefill. A leak: B's HTTP 200 answer carries V's tokens (the report names ``late-victim``):
+    the prefill acknowledged the abort (or decode released V's pages) before the held write
+    drained, so it landed in B's pages. Stock is expected safe (its drain accounting survives
+    the sender's clear, and the write lands within the timeout). Probes UPSTREAM-GAPS 2 (abort
+    during transfer: prefill source pages freed immediately on failure, the deferred release's
+    ACK). The cell is an ``error`` when the choreography did not happen (the prefill abort not
+    before the late write, the write not after decode's abort, B not on V's pages). Harness
+    only (a server-side fault).
+    """
+    _late_write(ctx, "other", past_timeout=False, abort_prefill=True)
+
+
+def abort_after_transfer_before_commit(ctx: Ctx) -> None:
+    """A client abort after the KV transfer completed and before decode committed it; normal
+    requests run at the same time and afterwards on the freed pages.
+
+    The window is microseconds in a normal run (decode commits a finished transfer in the
+    scheduler step that sees it; upstream's metadata gate holds it longer only while the aux
+    row has not landed), so the default stack's decode is armed with the test-only fault
+    ``park_commit`` (``targets.PARK_COMMIT_S`` = 3 s): a request whose rid starts with
+    ``pdsafe-fault-park-`` is reported still transferring for 3 s after its transfer
+    succeeded, without blocking the scheduler. The attack requests (canary prompts, both
+    legs) are aborted on decode with ``/abort_request`` as soon as the fault logs them parked
+    (prefill has written and reported every page); one more parked request is not aborted (the
+    control: committed after the park, expected identical). Normal canary requests are sent at
+    the moment of the aborts and after the phase.
+
+    Expected: an explicit error for each aborted request, the control and the normal requests
+    identical. A leak: a normal request's answer carries an aborted request's canary tokens:
+    decode committed and decoded the aborted request anyway (it already counted as
+    transferred) while its pages were released and handed on, or released the pages while the
+    request still ran. A hang: the aborted request never answered (its Failed poll never
+    handled). Probes the decode release of a finished-but-uncommitted transfer (UPSTREAM-GAPS 2:
+    deferred release and its ACK for a room the prefill already concluded; 4: the allocator
+    keeps no owner, so a double release is silent). The cell is an ``error`` when no aborted
+    request left the park without a commit (the abort came too late). Harness only.
+    """
+    from pdsafe_testkit.faults import PARK_PREFIX, parse_park_log
+
+    stack = ctx.target.stack
+    if stack is None:
+        raise RuntimeError("harness only: needs the default stack's decode armed with the "
+                           "test-only fault park_commit")
+    limit, _ = _pair_limit(ctx)
+    _victims(ctx, ctx.knobs.victims, min(limit - 1, 160))
+    t, log = ctx.target, stack.decode.process
+    attacks: dict[str, Job] = {}
+    for i in range(ctx.knobs.attacks):
+        label = f"abort-parked-{i}"
+        owner, p = ctx.canary(label, ctx.rng.randint(64, max(80, min(limit - 1, 200))))
+        rid = f"{PARK_PREFIX}{label}-{uuid.uuid4().hex}"
+        attacks[rid] = ctx.direct(label, p, canary=owner, rid=rid)
+        attacks[rid].path = "pd-direct (aborted on decode after the transfer, before the commit)"
+    owner, p = ctx.canary("parked-control", ctx.rng.randint(64, max(80, min(limit - 1, 200))))
+    control_rid = f"{PARK_PREFIX}control-{uuid.uuid4().hex}"
+    control = ctx.direct("parked-control", p, canary=owner, rid=control_rid)
+    control.path = f"pd-direct (parked {PARK_COMMIT_S:g}s, not aborted)"
+    normals = _normals(ctx, "during", ctx.knobs.attacks, limit)
+    before = read_counters(t.prefill_url, t.decode_url)
+    t0 = time.monotonic()
+    aborted: dict[str, tuple[int, float]] = {}
+    sent = [*attacks.values(), control]
+    with ThreadPoolExecutor(max_workers=len(sent) + len(normals)) as ex:
+        futs = [ex.submit(job.call) for job in sent]
+        deadline = time.monotonic() + max(30.0, ctx.knobs.bound_s)
+        while len(aborted) < len(attacks) and time.monotonic() < deadline \
+                and not all(f.done() for f in futs):
+            for e in parse_park_log(log.log_text()):
+                if e.event == "parked" and e.rid in attacks and e.rid not in aborted:
+                    aborted[e.rid] = (abort_request(t.decode_url, e.rid), time.time() - e.at)
+            time.sleep(0.05)
+        norm_futs = [ex.submit(job.call) for job in normals]
+        for job, f in zip(sent + normals, futs + norm_futs, strict=True):
+            job.answer = f.result()
+    jobs = [*sent, *normals]
+    ctx.on_request(len(jobs))
+    ctx.judge_phase("parked", jobs, before=before, wall_s=time.monotonic() - t0)
+    events = {e.rid: e for e in parse_park_log(log.log_text())
+              if e.event != "parked" and (e.rid in attacks or e.rid == control_rid)}
+    left = [rid for rid in attacks if rid in events and events[rid].event == "left"]
+
+    def park_end(rid: str) -> str:
+        e = events.get(rid)
+        return ("park end not logged" if e is None
+                else f"{e.event} with poll {e.status} {e.after:.2f}s into the park")
+
+    ctx.notes.append(
+        f"parked requests (test-only fault park_commit, {PARK_COMMIT_S:g}s): " + "; ".join(
+            [f"{attacks[rid].label}: "
+             + (f"aborted {aborted[rid][1]:.2f}s into the park (HTTP {aborted[rid][0]})"
+                if rid in aborted else "never seen parked, not aborted")
+             + f", {park_end(rid)}" for rid in attacks]
+            + [f"parked-control: {park_end(control_rid)}"]))
+    _after(ctx, ctx.knobs.victims, limit)
+    if attacks and not left:
+        raise ScenarioNotAsDesigned("no aborted request left the park without a commit (the "
+                                    "abort did not land between the transfer and the commit)")
+
+
+def _cut_stream(url: str, body: dict[str, Any], bound_s: float, *,
+                after_tokens: int | None = None, stop: threading.Event | None = None,
+                total_s: float | None = None) -> tuple[Answer, bool]:
+    """Stream ``body`` from ``url + /generate`` and close the connection (the client's
+    disconnect) once ``after_tokens`` arrived or ``stop`` is set (checked at every chunk):
+    (what the client saw, whether it cut). SGLang streams cumulative ``output_ids``; a cut
+    answer holds the tokens received so far. ``bound_s`` bounds each read; ``total_s``
+    (default ``bound_s``) the whole stream, beyond which it is a hang."""
+    t0 = time.monotonic()
+    total = bound_s if total_s is None else total_s
+
+    def took() -> float:
+        return time.monotonic() - t0
+
+    try:
+        with requests.Session() as s, s.post(url + "/generate", json=body, stream=True,
+                                             timeout=(client.CONNECT_TIMEOUT_S, bound_s)) as r:
+            if r.status_code != 200:
+                try:
+                    err: Any = r.json()
+                except ValueError:
+                    err = r.text
+                a = client.parse_answer(r.status_code, err)
+                a.stream, a.e2e_s = True, took()
+                return a, False
+            last: Any = None
+            for line in r.iter_lines():
+                if took() > total:
+                    return Answer(status=None, timed_out=True, stream=True, e2e_s=took()), False
+                if not line or not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk or chunk.get("object") == "error":
+                    return Answer(status=200, in_band_abort=True, message=error_message(chunk),
+                                  stream=True, e2e_s=took()), False
+                last = chunk
+                ids = list(chunk.get("output_ids") or [])
+                if (after_tokens is not None and len(ids) >= after_tokens) or \
+                        (stop is not None and stop.is_set() and ids):
+                    r.close()  # the client goes away mid-stream
+                    return Answer(status=200, output_ids=ids, stream=True, e2e_s=took()), True
+            a = client.parse_answer(200, last) if last is not None else Answer(status=200)
+            a.stream, a.e2e_s = True, took()
+            return a, False
+    except requests.Timeout:
+        return Answer(status=None, timed_out=True, stream=True, e2e_s=took()), False
+    except requests.RequestException as e:
+        return Answer(status=None, transport_error=f"{type(e).__name__}: {str(e)[:200]}",
+                      stream=True, e2e_s=took()), False
+
+
+#: A streamed request of the abort family is judged on at most its first this many tokens
+#: (the reference's greedy answer for them): the content check of what the client received,
+#: without asking the reference for hundreds of tokens (slow on a loaded CPU box).
+STREAM_JUDGED_TOKENS = 32
+
+
+def _stream_job(ctx: Ctx, label: str, prompt: list[int], max_new: int, canary: int, *,
+                via_router: bool, cut_after: int | None = None,
+                release: threading.Event | None = None, total_s: float | None = None,
+                what: str = "client cut") -> Job:
+    """A streamed request that the client cuts (closes the connection) after ``cut_after``
+    tokens or once ``release`` is set, through the router or to both legs directly; judged on
+    the first tokens it received (at most ``STREAM_JUDGED_TOKENS``) against the reference's."""
+    t, bound = ctx.target, ctx.knobs.bound_s
+    job = Job(label, ("router" if via_router else "pd-direct") + f"-stream ({what})", prompt,
+              max_new, lambda: Answer(status=None), canary)
+
+    def call() -> Answer:
+        rid = f"{label}-{uuid.uuid4().hex}"
+        job.side["asked"] = max_new
+        kw: dict[str, Any] = {"after_tokens": cut_after, "stop": release, "total_s": total_s}
+        if via_router:
+            assert t.router_url is not None
+            body = client.greedy_payload(prompt, max_new, stream=True, rid=rid)
+            ans, cut = _cut_stream(t.router_url, body, bound, **kw)
+        else:
+            body = _pd_body(ctx, prompt, max_new, rid, stream=True)
+            with ThreadPoolExecutor(1) as ex:
+                fp = ex.submit(client.send, t.prefill_url, body, bound_s=bound)
+                ans, cut = _cut_stream(t.decode_url, body, bound, **kw)
+                ans = _legs_answer(job, ans, fp.result())
+        job.side["cut"] = cut
+        got = len(ans.output_ids)
+        if ans.ok and got:
+            ans.output_ids = ans.output_ids[:STREAM_JUDGED_TOKENS]
+            job.max_new = len(ans.output_ids)
+            _add_note(job, f"[{'the client cut the stream' if cut else 'the stream ended'} "
+                           f"after {got} of {max_new} tokens: judged on the first "
+                           f"{job.max_new} against the reference's]")
+        return ans
+
+    job.call = call
+    return job
+
+
+def abort_during_decode(ctx: Ctx) -> None:
+    """A client that disconnects from a streamed request after a few tokens (decode is
+    decoding it), while normal requests run at the same time and afterwards on its pages.
+
+    The attack requests (canary prompts, as many new tokens as fit up to 768) are streamed,
+    alternately through the router and to both legs directly; the client reads the stream
+    until it carries ``CUT_AFTER_TOKENS`` tokens and closes the connection (the phase is
+    reached: the tokens came from decode's running batch). Upstream's HTTP layer turns the
+    disconnect into an abort (``create_abort_task``, or the disconnect check while waiting);
+    the aborted request leaves the running batch and its pages are freed. Normal canary
+    requests run concurrently and after. Judged: each cut request on the tokens it received
+    (equal to the reference's first tokens, else a leak), and every normal request. The notes
+    say how long decode kept running requests after the cut.
+
+    A leak: the cut request's first tokens differ from the reference (its KV was not its own),
+    or a normal request's answer carries a cut request's canary tokens (pages freed while a
+    decode step of the cut request still wrote them, handed to the normal request). A hang: a
+    leg of a cut request that never answered. Probes the decode-side release of an aborted
+    running request (UPSTREAM-GAPS 4: the allocator keeps no owner or generation; freed pages
+    are merged and reused soon in PD mode).
+    """
+    limit, info = _pair_limit(ctx)
+    _victims(ctx, ctx.knobs.victims, min(limit - 1, 160))
+    t = ctx.target
+    context = min((v["context_length"] or 0) for v in info.values()) or 1024
+    jobs = []
+    for i in range(ctx.knobs.attacks):
+        label = f"abort-cut-{i}"
+        owner, p = ctx.canary(label, ctx.rng.randint(64, max(80, min(limit - 1, 160))))
+        max_new = max(32, min(768, context - len(p) - 16))
+        jobs.append(_stream_job(ctx, label, p, max_new, owner, cut_after=CUT_AFTER_TOKENS,
+                                via_router=bool(t.router_url) and i % 2 == 0))
+    ctx.run_phase("cut", jobs + _normals(ctx, "during", ctx.knobs.attacks, limit),
+                  concurrency=2 * len(jobs) or 1)
+    t_end = time.monotonic()
+    running = pd_load(t.decode_url).get("num_running_reqs")
+    drained_s = None
+    while time.monotonic() - t_end < max(10.0, ctx.knobs.settle_s):
+        if pd_load(t.decode_url).get("num_running_reqs", 0) == 0:
+            drained_s = time.monotonic() - t_end
+            break
+        time.sleep(0.1)
+    cut = [j for j in jobs if j.side.get("cut")]
+    ctx.notes.append(
+        f"{len(cut)} of {len(jobs)} streams cut by the client (asking up to "
+        f"{max((j.side.get('asked', 0) for j in jobs), default=0)} tokens each); decode ran "
+        f"{running} request(s) when the phase ended, "
+        + (f"none {drained_s:.2f}s later" if drained_s is not None
+           else "some still after the settle bound"))
+    _after(ctx, ctx.knobs.victims, limit)
+
+
 _FAULT_HOOKS = ("needs a test-only fault hook of the {stage} stage (pdsafe_testkit.faults plugin) "
                 "that is not there yet; the scenario is registered so the report shows the gap")
+
+
+#: The ``kv_corrupt`` fault's rid prefix and modes (``pdsafe_testkit.faults``; repeated here so
+#: the benchmark does not import the fault plugin).
+CORRUPT_PREFIX = "pdsafe-fault-corrupt-"
+CORRUPTIONS: dict[str, tuple[str, str]] = {
+    "one-bit": ("bit", "one bit of one byte of K or V at one owned position of one layer"),
+    "partial-last-page": ("lastpage", "one bit in the last owned position (the partial last "
+                                      "page's slot)"),
+    "one-page": ("page", "every byte of one page of owned positions of one layer's K"),
+    "one-layer": ("layer", "one exponent bit in every owned position of one layer's V"),
+}
+
+
+def _corruption(ctx: Ctx, what: str) -> None:
+    """Victims, then requests whose transferred KV the decode's test-only ``kv_corrupt`` fault
+    changes after the transfer and before the batch's first decode step, then normal requests.
+
+    What changes (by name): see ``CORRUPTIONS``. Stock 0.5.23 (its checksum is off by default
+    and CUDA-only) decodes the changed KV: HTTP 200, either with the reference's tokens (the
+    change did not move the greedy answer: undetected, but harmless here) or with other
+    tokens (a leak: a corrupted answer the client cannot tell from a good one). Expected of
+    the fork: an explicit 500 "KV integrity check failed" for every corrupted request, and the
+    normal requests after it identical (no false alarm, pages reused cleanly). Probes
+    UPSTREAM-GAPS 3 (checksum off by default, CUDA-only, fails open). Harness only (a
+    server-side fault).
+    """
+    mode, _ = CORRUPTIONS[what]
+    limit, _ = _pair_limit(ctx)
+    _victims(ctx, ctx.knobs.victims, min(limit - 1, 160))
+    jobs = []
+    for i in range(ctx.knobs.attacks):
+        label = f"corrupt-{what}-{i}"
+        owner, p = ctx.canary(label, ctx.rng.randint(64, max(80, min(limit - 1, 200))))
+        jobs.append(ctx.direct(label, p, canary=owner,
+                               rid=f"{CORRUPT_PREFIX}{mode}-{uuid.uuid4().hex}"))
+    ctx.run_phase("corrupted", jobs)
+    _after(ctx, ctx.knobs.victims, limit)
+
+
+def _corruption_scenario(what: str) -> Scenario:
+    def fn(ctx: Ctx) -> None:
+        _corruption(ctx, what)
+
+    fn.__doc__ = (f"Corruption: {CORRUPTIONS[what][1]}. " + (_corruption.__doc__ or ""))
+    return Scenario(f"corruption-{what}", "corruption", "default", fn,
+                    known_unsafe_upstream=True, in_quick=what == "one-layer")
 
 
 def _planned(name: str, family: str, doc: str, stage: str, *, unsafe: bool = True,
@@ -810,10 +1457,25 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              deployment_ok=True, known_unsafe_upstream=True),
     Scenario("spoof-health-check-rid", "spoof", "default", spoof_health_check_rid,
              deployment_ok=True),
+    # The abort family runs before the room family: room-duplicate-concurrent kills a stock
+    # decode (the stack is then restarted for the scenarios after it). abort-mid-transfer is
+    # on the late_write stack (first there; the crash scenario stays last). In --quick only
+    # abort-during-decode (about 15 s for both variants, measured): --quick was already close
+    # to its 10-minute budget (docs/benchmark.md); abort-bootstrap costs about 46 s there
+    # (stock's hang waits out the bound) and runs by name or in the full matrix.
+    Scenario("abort-bootstrap", "abort", "default", abort_bootstrap, deployment_ok=True,
+             known_unsafe_upstream=True, in_quick=False),
+    Scenario("abort-prealloc", "abort", "default", abort_prealloc, deployment_ok=True,
+             in_quick=False),
+    Scenario("abort-mid-transfer", "abort", "late_write", abort_mid_transfer, in_quick=False),
+    Scenario("abort-after-transfer-before-commit", "abort", "default",
+             abort_after_transfer_before_commit, in_quick=False),
+    Scenario("abort-during-decode", "abort", "default", abort_during_decode,
+             deployment_ok=True, in_quick=True),
     Scenario("room-replay", "room", "default", room_replay, deployment_ok=True,
              known_unsafe_upstream=True),
     # Last on the default stack: duplicate rooms crash a stock decode scheduler (and the fork's
-    # before patch 0019; measured), and the stack is then restarted only if another scenario
+    # before patch 0018; measured), and the stack is then restarted only if another scenario
     # needs it.
     Scenario("room-duplicate-concurrent", "room", "default", room_duplicate_concurrent,
              deployment_ok=True, known_unsafe_upstream=True),
@@ -823,16 +1485,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              divergence_context_length, known_unsafe_upstream=True),
     Scenario("divergence-chat-template", "divergence", "tpl_div",
              divergence_chat_template, known_unsafe_upstream=True),
-    *(_planned(f"abort-{phase}", "abort",
-               f"Client disconnect/abort during {what}, interleaved with normal traffic that "
-               "reuses the pages. A leak: a later request decodes over pages the aborted "
-               "request's late transfer wrote (distributed use-after-free).",
-               "ownership")
-      for phase, what in (("bootstrap", "bootstrap"), ("prealloc", "decode pre-allocation"),
-                          ("mid-transfer", "the KV transfer"),
-                          ("after-transfer-before-commit", "the window after the transfer and "
-                                                           "before decode commits"),
-                          ("during-decode", "decoding"))),
     # The late_write stack (two prefills armed with the test-only late_write fault, harness
     # only). Full matrix only (in_quick=False): the stack and the three scenarios would push
     # --quick past its 10-minute budget (docs/benchmark.md, measured). The crash scenario
@@ -843,13 +1495,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              in_quick=False),
     Scenario("crash-prefill-mid-transfer", "crash", "late_write", crash_prefill_mid_transfer,
              in_quick=False),
-    *(_planned(f"corruption-{what}", "corruption",
-               f"Bytes of transferred KV changed in flight ({desc}), a test-only fault only the "
-               "checksum can catch. A leak: an answer from corrupted KV with HTTP 200.",
-               "checksum")
-      for what, desc in (("one-bit", "one bit"), ("one-page", "one page"),
-                         ("one-layer", "one layer"), ("partial-last-page",
-                                                      "the tail of the partial last page"))),
+    *(_corruption_scenario(what) for what in CORRUPTIONS),
     _planned("room-n-greater-1", "room",
              "n>1 sampling in PD mode: several samples share one bootstrap room. A leak: a "
              "sample decodes over another sample's or request's pages.", "ownership",
@@ -864,7 +1510,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 #: bursts. It keeps what the smoke test must prove: the false-alarm check (steady-state), a
 #: scenario in which stock 0.5.23 leaks (spoof-fake-bootstrap-host), and the fork at zero leaks
 #: and hangs; the other stacks' scenarios run in ``--quick`` and the full matrix.
-#: Not ``room-duplicate-concurrent``: the fork refuses duplicates (409, patch 0019) and no longer
+#: Not ``room-duplicate-concurrent``: the fork refuses duplicates (409, patch 0018) and no longer
 #: crashes. A refused duplicate's decode leg is now failed when the prefill clears the room's
 #: live request (it hung once in three --quick runs before that), but a duplicate refused on the
 #: decode side can still leave its prefill leg waiting for its bootstrap timeout; telling the two

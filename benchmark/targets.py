@@ -10,9 +10,11 @@ Two ways to get one:
 * an existing deployment (``deployment_target``): URLs given on the command line; nothing is
   started, restarted or reconfigured, so only scenarios marked ``deployment_ok`` run there.
 
-The ``late_write`` stack kind is the only one that arms a test-only fault (the testkit's
-``late_write`` plugin, ``pdsafe_testkit.late_write``, imported only when that stack starts):
-harness only, never in deployment mode.
+Test-only faults (the testkit's plugin, ``pdsafe_testkit.faults``) are armed on harness servers
+only, never in deployment mode: the ``late_write`` stack's prefills (``late_write``,
+``pdsafe_testkit.late_write``, imported only when that stack starts) and the ``default`` stack's
+decode (``kv_corrupt``, ``park_commit``: ``StackKind.decode_faults``); each acts only on requests
+whose rid or room is reserved for it, every other request is served normally.
 
 Invariant: a target's ``variant`` is what its servers report: a ``base`` target whose servers
 report a ``+pdsafe`` version (or a ``fork`` target whose servers do not) raises
@@ -67,7 +69,9 @@ class StackKind:
     (``chat_template_text(CHAT_SUFFIX[role])``: decode renders 3 tokens more than prefill).
     ``router``: False for stacks whose legs may refuse to pair (the harness's router start
     waits for one successful generation); requests then go to both legs directly, which is
-    what the router does. ``late_write_trio``: the stack is ``pdsafe_testkit.late_write``'s
+    what the router does. ``decode_faults``: test-only faults armed on the decode (the default
+    stack arms ``kv_corrupt`` for the corruption family). ``late_write_trio``: the stack is
+    ``pdsafe_testkit.late_write``'s
     (two prefills armed with the test-only ``late_write`` fault, holds ``LATE_HOLDS_S``, one
     decode with upstream's release timeout shortened; pools and context are that module's
     ``PREFILL_POOL`` / ``POOL``, repeated here for the table), no router."""
@@ -82,6 +86,9 @@ class StackKind:
     contexts: tuple[int, int] | None = None
     chat_templates: bool = False
     late_write_trio: bool = False
+    #: ``SGLANG_PDSAFE_TEST_FAULTS`` for the decode (harness only; each test-only fault acts
+    #: only on requests whose rid carries its prefix, every other request is served normally).
+    decode_faults: str = ""
 
     def context_length(self, role: str) -> int:
         if self.contexts is not None:
@@ -110,6 +117,11 @@ CHAT_SUFFIX: dict[str, tuple[int, ...]] = {"prefill": (508, 509),
 #: other prefill (a traced room: never delayed).
 LATE_HOLDS_S: dict[str, float] = {"held": 6.0, "other": 1.0}
 
+#: How long the ``default`` stack's decode parks the finished transfer of a
+#: ``pdsafe-fault-park-...`` request before committing it (test-only fault ``park_commit``;
+#: abort-after-transfer-before-commit aborts its requests inside that window).
+PARK_COMMIT_S = 3.0
+
 
 def chat_template_text(suffix: tuple[int, ...], words: dict[int, str]) -> str:
     """A Jinja chat template: every message's content followed by a space, then ``suffix``
@@ -127,7 +139,11 @@ def word_vocab(model_path: Path) -> dict[int, str]:
 
 
 STACK_KINDS: dict[str, StackKind] = {k.name: k for k in (
-    StackKind("default", 1024, 1024, doc="equal 1024-token pools and context (the test stack)"),
+    StackKind("default", 1024, 1024, decode_faults=f"kv_corrupt,park_commit:{PARK_COMMIT_S:g}",
+              doc="equal 1024-token pools and context (the test stack); decode armed with the "
+                  "test-only faults SGLANG_PDSAFE_TEST_FAULTS=kv_corrupt,park_commit:"
+                  f"{PARK_COMMIT_S:g} (each acts only on its own rids: pdsafe-fault-corrupt-"
+                  "MODE-..., pdsafe-fault-park-...)"),
     StackKind("p_lt_d", 320, 1024, doc="prefill pool 320 < decode pool 1024, context 320"),
     StackKind("d_lt_p", 1024, 768, doc="decode pool 768 < prefill pool 1024, context 768"),
     StackKind("p_lt_d_truncate", 320, 1024, True, context="per_side", router=False,
@@ -353,11 +369,14 @@ class Harness:
                 tpl = self.log_dir / f"chat-template-{role}.jinja"
                 tpl.write_text(chat_template_text(CHAT_SUFFIX[role], word_vocab(self.model)))
                 extra = ["--chat-template", str(tpl)]
+            env = dict(self.env(variant))
+            if role == "decode" and k.decode_faults:
+                env["SGLANG_PDSAFE_TEST_FAULTS"] = k.decode_faults
             return ServerConfig(role=role, model_path=self.model, backend=backend,
                                 max_total_tokens=pool, page_size=page_size,
                                 context_length=k.context_length(role),
                                 allow_auto_truncate=k.auto_truncate, extra_args=extra,
-                                env=self.env(variant))
+                                env=env)
 
         with pd_stack(backend, self.log_dir, prefill=cfg("prefill", k.prefill_pool),
                       decode=cfg("decode", k.decode_pool), with_router=k.router) as st:
@@ -431,7 +450,8 @@ def wait_until(pred, timeout: float, poll: float = 0.5) -> bool:
     return pred()
 
 
-__all__ = ["CHAT_SUFFIX", "CTX_DIV_PREFILL_CONTEXT", "LATE_HOLDS_S", "STACK_KINDS", "Harness",
+__all__ = ["CHAT_SUFFIX", "CTX_DIV_PREFILL_CONTEXT", "LATE_HOLDS_S", "PARK_COMMIT_S",
+           "STACK_KINDS", "Harness",
            "PDTarget",
            "SideLimits", "StackKind", "StartupError", "VariantMismatch", "chat_template_text",
            "deployment_target", "side_limits", "variant_of", "verify_variant", "word_vocab"]

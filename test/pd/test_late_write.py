@@ -205,7 +205,7 @@ def test_late_write_fork_keeps_reused_pages_clean(fork_trio: Trio, model_path: P
         f"V's late write reached B: B's answer differs from the co-located reference from token "
         f"{obs.first_divergence} (got {obs.got_excerpt}, want {obs.want_excerpt}): "
         f"{obs.timeline()}")
-    # How the fork kept B clean (patch 0020): V's pages stayed quarantined past upstream's
+    # How the fork kept B clean (patch 0019): V's pages stayed quarantined past upstream's
     # timeout (alarm) until the drain ACK; V held more than the limit, so the decode refused
     # new requests meanwhile and /health said why, and both recovered with the ACK.
     t = f"{obs.timeline()} metrics {obs.metric_deltas} health {obs.health_during!r} -> " \

@@ -9,9 +9,16 @@ so a pair can never silently be fork/fork.
   coverage attestation. Every request fails on both legs with an explicit error naming the
   missing pdsafe wire version (pair agreement), at once, never a hang and never an HTTP 200;
   the decode counts the refused prefill once; both servers keep running.
-* **fork prefill, stock decode**: the fork's extra data (attestation slots of the metadata row,
-  pair settings only on request) must not confuse a stock decode: every answer, direct and
-  through the router, is the co-located reference's, token for token.
+* **fork prefill, stock decode**: the stock decode announces no pdsafe wire version, so the
+  fork prefill refuses it at bootstrap (``sglang.pdsafe.peer_capability``): every request fails
+  at once on both legs with an explicit error naming both versions and the missing capability
+  (``decode-protections``), never a hang and never an HTTP 200; the prefill counts the decode
+  once per rank (``decode_peer_refused``); both servers keep running.
+* **fork prefill, stock decode with the upgrade-window waiver**
+  (``SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS=decode-protections`` on the prefill): the fork's extra
+  data (attestation slots of the metadata row, pair settings only on request) must not confuse
+  a stock decode: every answer, direct and through the router, is the co-located reference's,
+  token for token; the prefill counts the decode once (``stock_decode_served``).
 
 * **stock prefill, fork decode with the upgrade-window waiver**
   (``SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS=pair-agreement,coverage-attestation,kv-digest`` on
@@ -20,9 +27,12 @@ so a pair can never silently be fork/fork.
   (``coverage_waived``) and every transfer it decoded without a KV digest
   (``kv_digest_waived``).
 
-What this does not cover: fork/fork of another release over the KV wire (pair agreement refuses
-another wire version at bootstrap; ``test/unit/test_peer_policy.py`` shows it on the real
-pairing step).
+What this does not cover: fork/fork of another release over the KV wire (no test-only knob
+makes a server publish another wire version). Pair agreement refuses another wire version at
+bootstrap (``test/unit/test_peer_policy.py``, on the real pairing step); the prefill refuses a
+decode that announced another wire version, even under the waiver, and a decode never
+announces itself to a prefill of another version (``test/unit/test_peer_capability.py``, on
+each backend's real bootstrap loop).
 """
 
 from __future__ import annotations
@@ -88,9 +98,24 @@ def stock_prefill(request, stock_env, log_dir: Path, model_path: Path) -> Iterat
         yield st
 
 
+#: No router: it waits for a served request before it counts as started, and this pair serves
+#: none (the router sends each request to both legs, as ``direct_pd_generate`` does).
 @pytest.fixture(scope="module", params=BACKENDS)
 def stock_decode(request, stock_env, log_dir: Path, model_path: Path) -> Iterator[PDStack]:
     with pd_stack(request.param, log_dir, prefill=_cfg("prefill", model_path),
+                  decode=_cfg("decode", model_path, stock_env), with_router=False) as st:
+        _assert_versions(st, stock="decode")
+        yield st
+
+
+DECODE_WAIVER = {"SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS": "decode-protections"}
+
+
+@pytest.fixture(params=BACKENDS)
+def stock_decode_waived(request, stock_env, log_dir: Path,
+                        model_path: Path) -> Iterator[PDStack]:
+    """Function-scoped: torn down right after its test (the module's other stacks stay)."""
+    with pd_stack(request.param, log_dir, prefill=_cfg("prefill", model_path, DECODE_WAIVER),
                   decode=_cfg("decode", model_path, stock_env)) as st:
         _assert_versions(st, stock="decode")
         yield st
@@ -151,14 +176,41 @@ def test_stock_prefill_fork_decode_served_under_the_waiver(stock_prefill_waived:
         undigested0 + n, "every transfer decoded without a KV digest must be counted"
 
 
-def test_fork_prefill_stock_decode_serves_reference(stock_decode: PDStack, oracle: Oracle,
-                                                     model_path):
-    """The fork's extra wire data does not confuse a stock decode: reference-identical answers."""
+REFUSED_COUNTER = "sglang:pdsafe_decode_peer_refused_total"
+
+
+def test_fork_prefill_stock_decode_refused_at_bootstrap(stock_decode: PDStack, model_path):
+    """Every request fails at once on both legs with the prefill's refusal (both versions and
+    the missing capability named); the stock decode is counted once; nothing is served."""
     st = stock_decode
+    before = metric_total(st.prefill.url, REFUSED_COUNTER)
     rng = random.Random(1102)
+    for i in range(3):
+        ids = random_prompt(rng, rng.randint(20, 200), model_path)
+        p, d = direct_pd_generate(st, ids, MAX_NEW, timeout=BOUND_S)
+        what = f"{st.backend} fork prefill + stock decode, request {i}"
+        assert d.status != 200 and not d.output_ids, f"{what}: the stock decode served: {d}"
+        for side, msg in (("decode", d.error_message), ("prefill", p.error_message)):
+            assert "decode-protections" in msg and "sglang-pdsafe-pair/" in msg, (
+                f"{what}: the {side}'s error does not name the versions and capability: {msg}")
+    # One decode rank here (TP 1): counted once however many requests it sent.
+    assert metric_total(st.prefill.url, REFUSED_COUNTER) == before + 1
+    for side in (st.prefill, st.decode):
+        assert side.process.alive(), f"{side.config.role} died"
+
+
+def test_fork_prefill_stock_decode_served_under_the_waiver(stock_decode_waived: PDStack,
+                                                          oracle: Oracle, model_path):
+    """The operator's explicit waiver on the prefill: the fork's extra wire data does not
+    confuse a stock decode (reference-identical answers); the decode is counted once."""
+    st = stock_decode_waived
+    rng = random.Random(1104)
     for i in range(3):
         ids = random_prompt(rng, rng.randint(20, 200), model_path)
         _, d = direct_pd_generate(st, ids, MAX_NEW, timeout=BOUND_S)
         oracle.assert_identical(d, ids, MAX_NEW, what=f"{st.backend} fork->stock direct {i}")
         r = generate(st.router.url, ids, MAX_NEW, timeout=BOUND_S)
         oracle.assert_identical(r, ids, MAX_NEW, what=f"{st.backend} fork->stock router {i}")
+    # The router's start-up probe was this decode's first request: counted then, never again.
+    assert metric_total(st.prefill.url, "sglang:pdsafe_stock_decode_served_total") == 1, (
+        "the stock decode served under the waiver must be counted once (one decode rank)")

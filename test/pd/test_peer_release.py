@@ -423,7 +423,7 @@ def check_direct_refusals(st: PDStack, refusing: str, over_capacity: int, model_
         rmsg = assert_explicit_error(answers[refusing], f"{what} ({refusing} client)",
                                      statuses=(400,))
         role = peer.config.role
-        # The peer's client gets the refusing side's 400 too (patch 0018), not a 500 for a
+        # The peer's client gets the refusing side's 400 too (patch 0017), not a 500 for a
         # "failed transfer": the request, not the server, was at fault.
         pmsg = assert_explicit_error(answers[role], f"{what} ({role} client)", statuses=(400,))
         # The peer's client learns the cause, on every backend (NIXL's own ABORT handler used

@@ -3,7 +3,7 @@
 Stock 0.5.23: two concurrent requests with one client-chosen ``bootstrap_room``, sent directly
 to prefill and decode (what a client that picks its own rooms, or the benchmark's
 ``room-duplicate-concurrent`` scenario, does), crash the decode scheduler ("Unexpected poll
-case: 4", sgl-project/sglang#40125): every later request fails. With patch 0019 each server
+case: 4", sgl-project/sglang#40125): every later request fails. With patch 0018 each server
 refuses a request whose room is live there with 409 before anything is reserved, so:
 
 * each decode answer is its own co-located reference answer or an explicit error (a 409 for

@@ -114,7 +114,7 @@ def test_quick_leaves_full_only_scenarios_to_the_full_matrix() -> None:
     assert applicable(s, deployment=False) == (True, "")
     ok, why = applicable(s, deployment=False, quick=True)
     assert not ok and why == FULL_ONLY
-    planned = SCENARIOS["corruption-one-bit"]
+    planned = SCENARIOS["room-n-greater-1"]
     assert applicable(planned, deployment=False, quick=True) == (False, planned.reason)
     assert parse_args(["--quick", "--scenarios", "divergence-chat-template"]).scenarios_named
     assert not parse_args(["--quick"]).scenarios_named

@@ -16,6 +16,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+from pdsafe_testkit.faults import parse_park_commit, parse_park_log
+
 FAULT_ENV = "SGLANG_PDSAFE_TEST_FAULTS"
 
 ARMED = r"""
@@ -149,17 +152,16 @@ import json, logging, sys
 from types import SimpleNamespace
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 import torch
-from sglang.pdsafe import commit_gate, coverage
-from sglang.srt.disaggregation.decode import DecodeRequest
+from sglang.srt.disaggregation.decode import SchedulerDisaggregationDecodeMixin
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.plugins import load_plugins
 from sglang.srt.sampling.sampling_params import SamplingParams
 
-coverage.admit = lambda tq, dr: "coverage-verdict"
-def caller(tq, dr):
-    return commit_gate.admit_commit(tq, dr)
+def caller(sched, req):  # looks the method up at call time, like the scheduler
+    batch = SimpleNamespace(reqs=[req])
+    return SchedulerDisaggregationDecodeMixin._verify_kv_checksums(sched, batch)
 
 load_plugins()
 pool = MHATokenToKVPool(size=128, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=4,
@@ -171,8 +173,9 @@ g = torch.Generator().manual_seed(0)
 for layer in range(pool.layer_num):
     pool.get_key_buffer(layer).copy_(torch.randn(pool.get_key_buffer(layer).shape, generator=g))
     pool.get_value_buffer(layer).copy_(torch.randn(pool.get_value_buffer(layer).shape, generator=g))
-sched = SimpleNamespace(req_to_token_pool=rtt, token_to_kv_pool_allocator=alloc)
-tq = SimpleNamespace(scheduler=sched)
+# kv_checksum_computer None: the check itself returns at once (stock's behaviour).
+sched = SimpleNamespace(req_to_token_pool=rtt, token_to_kv_pool_allocator=alloc,
+                        kv_checksum_computer=None)
 
 def snapshot():
     return torch.cat([torch.stack([pool.get_key_buffer(i), pool.get_value_buffer(i)])
@@ -192,7 +195,7 @@ row_bytes = pool.get_key_buffer(0)[0].numel() * 2
 out = {}
 for req in reqs:
     before = snapshot()
-    caller(tq, DecodeRequest(req=req, kv_receiver=None))
+    caller(sched, req)
     diff = (before ^ snapshot()).nonzero().flatten()
     bits = int(sum(bin(int(x)).count("1") for x in (before ^ snapshot())[diff]))
     # Which slots changed: byte offset -> (layer, K/V, slot)
@@ -219,3 +222,87 @@ def test_armed_kv_corrupt_changes_only_owned_transferred_bytes():
     assert out["pdsafe-fault-corrupt-nosuchmode-e"]["bytes"] == 0
     assert out["plain"]["bytes"] == 0
     assert log.count("TEST FAULT kv_corrupt: rid") == 4, log[-3000:]
+
+
+PARK = r"""
+import inspect, json, logging, sys
+from types import SimpleNamespace
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from sglang.srt.disaggregation.decode import DecodeRequest, DecodeTransferQueue
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.plugins import load_plugins
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+# What the fault relies on in the real upstream class: pop_transferred polls through one of
+# the two hooked methods and commits the requests whose poll is Success.
+src = inspect.getsource(DecodeTransferQueue.pop_transferred)
+real = ["self._poll_with_metadata_gate()" in src, "self._poll_with_staging()" in src,
+        "poll == KVPoll.Success" in src and "self._commit_transfer_to_req(decode_req)" in src]
+
+# Stand-ins for the two polls (upstream's all-reduce over a process group): the queue's
+# prepared real polls, one per request in queue order. The plugin wraps these.
+def gate(self):
+    return list(self.next_polls)
+
+def staging(self):
+    return list(self.next_polls)
+
+DecodeTransferQueue._poll_with_metadata_gate = gate
+DecodeTransferQueue._poll_with_staging = staging
+# In a dict, not module globals: apply_hooks rebinds every module attribute that is the
+# original function (__main__'s globals included).
+keep = {"gate": gate, "staging": staging}
+load_plugins()
+from pdsafe_testkit import faults
+
+clock = [100.0]
+faults.armed_park.clock = lambda: clock[0]
+
+def dreq(rid):
+    return DecodeRequest(req=Req(rid, "", [1, 2, 3], SamplingParams()), kv_receiver=None)
+
+tq = SimpleNamespace(queue=[dreq("pdsafe-fault-park-a"), dreq("plain"),
+                            dreq("pdsafe-fault-park-b")], next_polls=[])
+steps = []
+for t, polls in ((100.0, [4, 4, 3]), (100.5, [4, 4, 4]), (101.0, [4, 4, 0]),
+                 (101.1, [4, 4, 4])):
+    clock[0], tq.next_polls = t, polls
+    steps.append(DecodeTransferQueue._poll_with_metadata_gate(tq))  # as pop_transferred does
+tq2 = SimpleNamespace(queue=[dreq("pdsafe-fault-park-c")], next_polls=[4])
+staged = DecodeTransferQueue._poll_with_staging(tq2)
+print(json.dumps({"real": real, "steps": steps, "staged": staged,
+                  "wrapped": [DecodeTransferQueue._poll_with_metadata_gate is not keep["gate"],
+                              DecodeTransferQueue._poll_with_staging is not keep["staging"]]}))
+"""
+
+
+def test_park_commit_spec_parsing() -> None:
+    """``park_commit:SECONDS`` arms beside the other faults; a missing, non-numeric,
+    non-positive or non-finite delay is an error, never a silently unarmed server."""
+    assert parse_park_commit("park_commit:3") == 3.0
+    assert parse_park_commit("kv_corrupt, park_commit:0.5") == 0.5
+    assert parse_park_commit("kv_corrupt") == 0.0
+    for bad in ("park_commit", "park_commit:", "park_commit:x", "park_commit:0",
+                "park_commit:-2", "park_commit:nan", "park_commit:inf"):
+        with pytest.raises(ValueError, match="park_commit"):
+            parse_park_commit(bad)
+
+
+def test_armed_park_commit_holds_only_its_rids_finished_transfers_and_ends_on_abort():
+    """``park_commit`` (the abort family's after-transfer-before-commit phase), through
+    sglang's plugin loader on the real ``DecodeTransferQueue``: a ``pdsafe-fault-park-`` request
+    whose transfer is done (poll Success) is reported Transferring for SECONDS, then committed
+    once; a plain request is never touched; a parked request whose poll turns Failed (it was
+    aborted) passes at once and is never parked again. Both poll paths are hooked."""
+    out, log = _run(PARK, **{FAULT_ENV: "park_commit:1"})
+    assert "TEST FAULT ARMED" in log and "park_commit" in log, log[-3000:]
+    assert out["real"] == [True, True, True], "upstream's pop_transferred changed"
+    assert out["wrapped"] == [True, True]
+    # a: parked at 100.0, held at 100.5, released at 101.0 (1 s), then left alone;
+    # plain: never changed; b: Transferring passes, parked at 100.5, Failed at 101.0 ends it.
+    assert out["steps"] == [[3, 4, 3], [3, 4, 3], [4, 4, 0], [4, 4, 4]]
+    assert out["staged"] == [3]
+    events = [(e.event, e.rid.rsplit("-", 1)[1], e.status, e.after) for e in parse_park_log(log)]
+    assert events == [("parked", "a", "Success", 0.0), ("parked", "b", "Success", 0.0),
+                      ("released", "a", "Success", 1.0), ("left", "b", "Failed", 0.5),
+                      ("parked", "c", "Success", 0.0)], log[-3000:]

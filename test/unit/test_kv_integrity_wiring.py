@@ -557,8 +557,10 @@ def test_a_fork_prefill_serves_a_stock_decode_every_other_buffer_in_place():
 
 
 def test_on_by_default_off_only_explicitly_and_upstreams_flag_keeps_it_on(monkeypatch, caplog):
-    from sglang.pdsafe import protections
+    from sglang.pdsafe import hook_api, protections
 
+    # the hook-API self-check is test_startup_report's (it needs every later patch's API)
+    monkeypatch.setattr(hook_api, "self_check", lambda server_args, reqs=None: None)
     args = _disagg("decode")
     assert kv_integrity.carrier_enabled(args) and protections.status(args)["kv-digest"]
     assert kv_integrity.advertised(args) == kv_digest.SCHEME

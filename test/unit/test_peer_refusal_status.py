@@ -5,7 +5,7 @@ reach the client as "Prefill server error (500)").
 
 No servers: the refusal reasons peer release writes, carried through each backend's real prefill
 ABORT handler and real KV_STATUS encoding, read back with ``peer_refusal_status`` exactly as the
-patched failure handlers (prefill.py, decode.py; patch 0018) do. With real servers:
+patched failure handlers (prefill.py, decode.py; patch 0017) do. With real servers:
 test/pd/test_peer_release.py (``check_direct_refusals`` asserts the peer client's 400).
 """
 

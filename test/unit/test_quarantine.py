@@ -1,4 +1,4 @@
-"""Decode-page quarantine (patch 0020, ``sglang.pdsafe.quarantine``): a timeout never frees.
+"""Decode-page quarantine (patch 0019, ``sglang.pdsafe.quarantine``): a timeout never frees.
 
 Two layers:
 

@@ -1,4 +1,4 @@
-"""Client-chosen bootstrap rooms and n>1 made harmless (issue #9, item 1; patch 0019).
+"""Client-chosen bootstrap rooms and n>1 made harmless (issue #9, item 1; patch 0018).
 
 Without servers: the real patched ``PrefillBootstrapQueue.add`` / ``create_sender``,
 ``DecodePreallocQueue.add`` / ``_create_receiver_and_enqueue`` and the real

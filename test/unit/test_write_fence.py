@@ -1,4 +1,4 @@
-"""Writers stop before writing (patch 0021, ``sglang.pdsafe.write_fence``): each backend's real
+"""Writers stop before writing (patch 0020, ``sglang.pdsafe.write_fence``): each backend's real
 prefill transfer worker drops a chunk of an aborted room without posting it, and counts it.
 
 Mooncake and NIXL run their real ``transfer_worker`` loop on a manager carrying only the state

@@ -47,9 +47,10 @@ signature digest in its header (:mod:`kv_digest`).
 **Other legs, other buffer lists.** Aux buffers pair up by position and every backend
 (Mooncake RDMA and TCP, NIXL, MORI; Ascend through Mooncake) transfers ``min(prefill's,
 decode's)`` of them (``CommonKVManager.check_peer_aux_buffer_count`` logs the difference once
-per registration). The digest row being the last buffer, a fork prefill serves a stock decode
-(which registers no such buffer) with every other buffer at its place and unchanged content;
-its digest is simply not sent. A stock prefill (no such buffer) leaves a fork decode's row as
+per registration). The digest row being the last buffer, a fork prefill that serves a stock
+decode (which registers no such buffer; only under the ``decode-protections`` waiver,
+:mod:`peer_capability`) sends every other buffer at its place with unchanged content; its
+digest is simply not sent. A stock prefill (no such buffer) leaves a fork decode's row as
 ``clear_slot`` left it: all zero, "no digest".
 
 **Stock prefills during a rolling upgrade** (``peer_policy``): a transfer whose row carries

@@ -86,6 +86,21 @@ COUNTERS: dict[str, str] = {
     "writes_discarded_total":
         "KV chunks a prefill transfer worker dropped before posting them because their room "
         "had failed, been aborted or been cleared (writers stop before writing).",
+    # page generations (issue 9, item 1)
+    "page_generation_moved_total":
+        "Decode transfers refused (500) at commit, or released after a failure, because pages "
+        "(or the Mamba slot) reserved for them were freed, and may have been reused, while "
+        "prefill wrote them (a page generation moved; a page-lifecycle bug).",
+    "page_generation_source_moved_total":
+        "Prefill transfers failed (500) at Success because source pages were freed while the "
+        "transfer read them (a page generation moved; the decode's KV digest checks the "
+        "bytes).",
+    "page_generation_free_skipped_total":
+        "Pages a request's release did not free a second time because they had been freed "
+        "while its transfer held them (each would have been a double free).",
+    "page_generation_failed_total":
+        "Page-generation hooks that failed (snapshot, check or release scope). A failed "
+        "decode check or a missing decode snapshot refuses the transfer (fail closed).",
     # rolling upgrades: stock peers (issue #11, item 1)
     "stock_peer_paired_total":
         "Prefills without sglang-pdsafe (no pdsafe wire version) a decode paired with because "
@@ -93,6 +108,20 @@ COUNTERS: dict[str, str] = {
     "coverage_waived_total":
         "Transfers from such a stock prefill committed without a coverage attestation because "
         "SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS waives coverage-attestation (per request).",
+    # decode capability announcement (issue 11: fork prefill, stock decode)
+    "decode_peer_refused_total":
+        "Decode ranks a prefill refused to transfer KV to because they announced no "
+        "sglang-pdsafe wire version (stock SGLang, or an older fork) or another one (another "
+        "release); counted once per decode rank, logged once with both versions. Every "
+        "request from it fails at once with that message.",
+    "stock_decode_served_total":
+        "Decode ranks without a pdsafe announcement a prefill served anyway because "
+        "SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS waives decode-protections; counted once per "
+        "decode rank.",
+    "peer_capability_failed_total":
+        "Decode-capability hooks that failed (announcing, recording or checking raised). A "
+        "failed check refuses the decode's room (fail closed); a failed announcement leaves "
+        "the decode unannounced, so a pdsafe prefill refuses it.",
     # KV content digest (issue 10)
     "kv_digest_mismatch_total":
         "Transfers refused before their first decode step: the KV decode holds for the "
@@ -120,6 +149,21 @@ COUNTERS: dict[str, str] = {
         "SGLANG_PDSAFE_KV_MISMATCH_BREAKER (N in a window; stays stopped until restarted).",
     "kv_breaker_refused_total":
         "New PD requests a decode refused (503) because its KV mismatch breaker is open.",
+    # prefill source-page lease (issue 9, item 5)
+    "source_lease_released_drained_total":
+        "Prefill KV pages of a failed or aborted transfer freed after every transfer worker of "
+        "every attention rank drained the room (fences passed, nothing in flight).",
+    "source_lease_overdue_total":
+        "Prefill source-page leases still held past SGLANG_PDSAFE_SOURCE_LEASE_ALARM_S (alarm; "
+        "the pages stay held, upstream would have reused them at once).",
+    "source_lease_poisoned_total":
+        "Prefill source-page leases whose transfer the backend could not prove settled (a "
+        "timed-out Mooncake batch, an unsettled NIXL handle, a MORI failure, a dead worker); "
+        "their pages stay held until the prefill restarts.",
+    "source_lease_failed_total":
+        "Source-lease hooks that failed (arming, taking, checking or freeing a lease). A lease "
+        "that took its pages keeps them for good (fail closed); one that could not be armed "
+        "leaves the pages to upstream's immediate release.",
 }
 GAUGES: dict[str, str] = {
     "quarantined_tokens":
@@ -127,6 +171,11 @@ GAUGES: dict[str, str] = {
         "prefill writers have not acknowledged the drain nor been proven gone).",
     "quarantined_transfers":
         "Aborted or failed transfers whose decode pages are held in quarantine.",
+    "source_pages_held":
+        "Prefill KV pages held by source leases (failed or aborted transfers whose transfer "
+        "workers may still read them).",
+    "source_leases_held":
+        "Failed or aborted prefill transfers whose source pages are held by a lease.",
 }
 HISTOGRAMS: dict[str, str] = {
     "peer_release_latency_seconds":
@@ -135,6 +184,8 @@ HISTOGRAMS: dict[str, str] = {
     "quarantine_age_seconds":
         "How long a decode transfer's pages stayed quarantined before terminal evidence (ACK "
         "or peer gone) released them.",
+    "source_lease_hold_seconds":
+        "How long a prefill source lease held its pages before the drain evidence freed them.",
 }
 
 _lock = threading.Lock()

@@ -64,8 +64,11 @@ from sglang.pdsafe.protections import Protection, is_pd, register
 
 logger = logging.getLogger("sglang.pdsafe.pair_agreement")
 
-#: Version of what :class:`PairSettings` carries (bump when a field changes meaning).
-WIRE_VERSION = "sglang-pdsafe-pair/1"
+#: Version of the fork's PD wire protocol: what :class:`PairSettings` carries, and the messages
+#: a pdsafe peer understands (bump when a field changes meaning or a message is added).
+#: /2: a decode announces itself to a prefill of this version (``peer_capability``); a prefill
+#: of /1 would misparse that announcement, so a /2 decode sends it to /2 prefills only.
+WIRE_VERSION = "sglang-pdsafe-pair/2"
 ENV_ENABLE = "SGLANG_PDSAFE_PAIR_AGREEMENT"
 ENV_SKIP = "SGLANG_PDSAFE_PAIR_AGREEMENT_SKIP"
 MISMATCH = "pair_setting_mismatch_total"
@@ -290,6 +293,39 @@ def _verdicts(kv_mgr: Any) -> _Verdicts:
     return attached(kv_mgr, _VERDICTS_ATTR, _Verdicts)
 
 
+class _Published:
+    """Per decode KV manager: the wire version each prefill published (None: none), as last
+    fetched by the pairing step."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.versions: OrderedDict[str, str | None] = OrderedDict()
+
+
+_PUBLISHED_ATTR = "_pdsafe_pair_published"
+
+
+@guarded("pair_agreement.remember_published", default=None, **_guard)
+def _remember_published(kv_mgr: Any, bootstrap_addr: str, info: Any) -> None:
+    theirs = PairSettings.from_wire(_field(info, "pdsafe_pair"))
+    version = theirs.wire_version if theirs is not None else None
+    table = attached(kv_mgr, _PUBLISHED_ATTR, _Published)
+    with table.lock:
+        table.versions[bootstrap_addr] = version if isinstance(version, str) else None
+        table.versions.move_to_end(bootstrap_addr)
+        while len(table.versions) > MAX_PREFILLS:
+            table.versions.popitem(last=False)
+
+
+def prefill_wire_version(kv_mgr: Any, bootstrap_addr: str) -> str | None:
+    """The pdsafe wire version the prefill at ``bootstrap_addr`` published when this decode
+    last paired with it (None: it published none, a stock prefill, or it was never fetched).
+    ``peer_capability`` announces this decode only to a prefill of this release's version."""
+    table = attached(kv_mgr, _PUBLISHED_ATTR, _Published)
+    with table.lock:
+        return table.versions.get(bootstrap_addr)
+
+
 def _decode_settings(queue: Any) -> PairSettings:
     return local_settings(queue.scheduler, queue.kv_manager.kv_args)
 
@@ -439,6 +475,7 @@ def ensure_prefill_info(queue: Any, bootstrap_addr: str, decode_reqs: list[Any])
     if info is None:  # not compared yet: never pair unchecked, ask again next round
         kv_mgr.prefill_info_table.pop(bootstrap_addr, None)
         return False
+    _remember_published(kv_mgr, bootstrap_addr, info)  # whom peer_capability announces to
     message = _check(queue, bootstrap_addr, info)
     if message is None:
         return True

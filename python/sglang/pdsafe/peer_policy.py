@@ -1,4 +1,7 @@
-"""What a fork decode does with a stock prefill (no sglang-pdsafe) during a rolling upgrade.
+"""What a fork leg does with a stock peer (no sglang-pdsafe) during a rolling upgrade.
+
+**Fork decode, stock prefill** (this section) and **fork prefill, stock decode** (the
+``decode-protections`` waiver at the end; the mechanism is :mod:`sglang.pdsafe.peer_capability`).
 
 A prefill announces its pdsafe capabilities in the pair settings it publishes at bootstrap
 (``pair_agreement``: ``wire_version`` ``sglang-pdsafe-pair/N``; a stock 0.5.23 prefill publishes
@@ -40,8 +43,19 @@ the table). Then:
 Fork prefills of another release announce another wire version: they are refused at bootstrap
 (``pair_agreement``), never waived here.
 
-Invariant: a waiver applies only to a prefill that announced no pdsafe wire version, only for
-the protections listed, and is visible (one WARNING per prefill, counters).
+**Fork prefill, stock decode.** A decode announces its pdsafe wire version to a pdsafe prefill
+before it registers (``peer_capability``); a stock decode announces nothing. The guarantees
+the prefill gives its clients need the decode's own protections (coverage check and commit
+gate, KV digest check, page quarantine, room guard), so by default the prefill refuses a decode
+that announced no wire version, or another one: every room it sends metadata for fails at once,
+with an error naming both versions and the missing capability (logged and counted once per
+decode rank). ``decode-protections`` in ``SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS`` (set on the
+prefill) serves decodes that announced *nothing* (logged once per decode rank as a WARNING,
+counted once in ``sglang:pdsafe_stock_decode_served_total``); a decode that announced another
+wire version is never waived.
+
+Invariant: a waiver applies only to a peer that announced no pdsafe wire version, only for
+the protections listed, and is visible (one WARNING per peer, counters).
 """
 
 from __future__ import annotations
@@ -61,7 +75,11 @@ ENV_WAIVE = "SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS"
 PAIR_AGREEMENT = "pair-agreement"
 COVERAGE = "coverage-attestation"
 KV_DIGEST = "kv-digest"
-WAIVABLE: tuple[str, ...] = (PAIR_AGREEMENT, COVERAGE, KV_DIGEST)
+#: Waived on a prefill: serve decodes that announce no pdsafe wire version (peer_capability).
+DECODE_PROTECTIONS = "decode-protections"
+WAIVABLE: tuple[str, ...] = (PAIR_AGREEMENT, COVERAGE, KV_DIGEST, DECODE_PROTECTIONS)
+#: The waivers that concern stock prefills (read by a decode).
+PREFILL_WAIVABLE: frozenset[str] = frozenset({PAIR_AGREEMENT, COVERAGE, KV_DIGEST})
 _ATTR = "_pdsafe_stock_peers"
 
 _warned_unknown: set[str] = set()
@@ -83,9 +101,10 @@ def waived() -> frozenset[str]:
 register(Protection(
     name="stock-peer-refusal",
     guards="a decode pairs with and commits from prefills that announce an sglang-pdsafe wire "
-           "version only (stock prefills refused at bootstrap, never served unprotected)",
+           "version only, and a prefill transfers KV only to decodes that announce this "
+           "release's wire version (stock peers refused at bootstrap, never served unprotected)",
     is_active=lambda server_args: is_pd(server_args) and not waived(),
-    disabled_by=f"{ENV_WAIVE}=<protections> (waived for stock prefills only)",
+    disabled_by=f"{ENV_WAIVE}=<protections> (waived for stock peers only)",
 ))
 
 
@@ -117,13 +136,18 @@ def pair_waived() -> bool:
     return PAIR_AGREEMENT in waived()
 
 
+def decode_protections_waived() -> bool:
+    """Whether this prefill serves decodes that announce no pdsafe wire version."""
+    return DECODE_PROTECTIONS in waived()
+
+
 def note_stock_peer(kv_mgr: Any, addr: str, wire_version_mine: str) -> None:
     """Pair agreement accepted a stock prefill under the waiver: remember it, tell the operator
     once per prefill."""
     if not stock_peers(kv_mgr).add(str(addr)):
         return
     metrics.inc("stock_peer_paired_total")
-    active = sorted(waived())
+    active = sorted(waived() & PREFILL_WAIVABLE)
     logger.warning(
         "pdsafe: paired with prefill %s, which announces no sglang-pdsafe wire version (a stock "
         "SGLang or an older fork; this decode speaks %s), because %s waives %s for such peers. "

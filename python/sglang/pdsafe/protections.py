@@ -141,7 +141,10 @@ HOOK_MODULES: tuple[str, ...] = (
     "sglang.pdsafe.quarantine",
     "sglang.pdsafe.write_fence",
     "sglang.pdsafe.peer_policy",
+    "sglang.pdsafe.peer_capability",
     "sglang.pdsafe.kv_integrity",
+    "sglang.pdsafe.source_lease",
+    "sglang.pdsafe.page_generation",
 )
 
 

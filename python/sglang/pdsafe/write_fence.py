@@ -5,7 +5,7 @@ MORI ``_should_skip_transfer``) read the room's status when they dequeue a chunk
 chunk when the room failed, was aborted (decode's ABORT marks it Failed) or was cleared, so
 nothing more is posted once an abort is known; a chunk already being posted finishes, and the
 decode's quarantine (``quarantine``) holds the destination pages until that drain is
-acknowledged. Patch 0021 makes every drop visible: :func:`chunk_discarded` counts it in
+acknowledged. Patch 0020 makes every drop visible: :func:`chunk_discarded` counts it in
 ``sglang:pdsafe_writes_discarded_total``.
 
 What it proves and what it does not: the counter shows that aborts reach the writers before they

@@ -34,13 +34,16 @@ so it sees the hooked function.
     ``pdsafe-fault-inject-`` case.
 
 ``SGLANG_PDSAFE_TEST_FAULTS=kv_corrupt`` (a decode-side fault, issue 10's corruption family)
-    At decode commit (the same ``BEFORE`` hook of the commit gate as ``foreign_kv``), after
-    the transfer landed and before decode's KV digest check, a request whose rid starts with
+    When a new decode batch is checked (a ``BEFORE`` hook of upstream's
+    ``SchedulerDisaggregationDecodeMixin._verify_kv_checksums``, which stock 0.5.23 and the
+    fork both call after the transfer and before the batch's first decode step; stock's returns
+    at once, the fork's verifies the KV digest), a request whose rid starts with
     ``pdsafe-fault-corrupt-MODE-`` has the bytes prefill wrote into its pages changed:
     ``bit`` one bit of one byte (layer, K or V, owned position, byte and bit drawn from the
     rid), ``lastpage`` one bit in the last owned position (the partial last page's slot),
-    ``page`` one page of owned positions of one layer's K zeroed (or set to 0x5A where they
-    are zero), ``layer`` every owned position of one layer's V changed by one bit. For the
+    ``page`` every byte of one page of owned positions of one layer's K changed (xor 0x5A,
+    or set to 0x5A where all are zero), ``layer`` one exponent bit of the first element of
+    every owned position of one layer's V flipped. For the
     digest it is the same as bytes changed in flight: decode's pages differ from what prefill
     digested. Each corruption is logged (``TEST FAULT kv_corrupt``) with what it changed.
 
@@ -57,6 +60,21 @@ so it sees the hooked function.
     at once; only its destination pages are logged (tests check page reuse with them). Every
     other room is untouched. The room is the ``kv_chunk`` the calling ``transfer_worker``
     frame is processing (the write functions do not take it as an argument).
+
+``SGLANG_PDSAFE_TEST_FAULTS=park_commit:SECONDS`` (a decode-side fault, the abort family)
+    Each scheduler step, the decode's transfer queue polls its requests
+    (``DecodeTransferQueue._poll_with_metadata_gate``, or ``_poll_with_staging`` with the
+    staging buffer; ``pop_transferred`` commits the requests whose poll is Success). An
+    ``AROUND`` hook of both turns the Success of a request whose rid starts with
+    ``pdsafe-fault-park-`` into Transferring for SECONDS from the first Success it saw: the
+    transfer is complete (prefill wrote every page and reported it), the commit waits; the
+    scheduler thread never sleeps, every other request is served as usual. Upstream's own
+    metadata gate holds a finished transfer the same way while its aux row has not landed.
+    Any other poll of a parked request (Failed once it is aborted) passes at once and ends
+    the park. Logged: ``parked``, ``released`` (the Success passed on, decode commits now)
+    and ``left`` (the park ended with another state, never committed), read back by
+    :func:`parse_park_log`. The poll list is rank-local after the ranks' all-reduce, so the
+    fault is meant for single-rank decodes (the harness's).
 
 Only public sglang API is used: the scheduler's ``req_to_token_pool.req_to_token`` table, the
 KV pool's ``get_key_buffer``/``get_value_buffer``/``start_layer``/``layer_num``, and the
@@ -89,6 +107,9 @@ POSTCHECK_PREFIX = "pdsafe-fault-postcheck-"
 #: ``kv_corrupt``: rids ``pdsafe-fault-corrupt-MODE-...`` get their transferred KV changed.
 CORRUPT_PREFIX = "pdsafe-fault-corrupt-"
 CORRUPT_MODES = ("bit", "lastpage", "page", "layer")
+#: Upstream's check of a new decode batch (``kv_corrupt`` changes KV right before it).
+CORRUPT_TARGET = ("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin."
+                  "_verify_kv_checksums")
 #: Log line of an applied ``kv_corrupt`` change.
 CORRUPT_LOG = "TEST FAULT kv_corrupt"
 #: The product's decode commit gate (stable name and signature; see commit_gate.py).
@@ -99,7 +120,7 @@ POSTCHECK_TARGET = ("sglang.srt.disaggregation.decode_schedule_batch_mixin."
                     "ScheduleBatchDisaggregationDecodeMixin.process_prebuilt")
 DEFAULT_FOREIGN_KV = 16
 #: Fault names ``SGLANG_PDSAFE_TEST_FAULTS`` may name (anything else is refused).
-KNOWN_FAULTS = ("foreign_kv", "late_write", "kv_corrupt")
+KNOWN_FAULTS = ("foreign_kv", "late_write", "kv_corrupt", "park_commit")
 
 #: Bootstrap rooms whose KV writes ``late_write`` holds back (tests pick rooms from here).
 LATE_ROOM_BASE = 0x1A7E << 48
@@ -122,6 +143,17 @@ LATE_WRITE_TARGETS = {
 #: Log line of a held write (``held``), of its late landing (``writing``, ``done``) and of a
 #: traced write (``traced``); :func:`parse_late_write_log` reads them back.
 LATE_WRITE_LOG = "TEST FAULT late_write"
+#: ``park_commit``: rids ``pdsafe-fault-park-...`` wait between their transfer's Success and
+#: decode's commit.
+PARK_PREFIX = "pdsafe-fault-park-"
+#: The decode transfer queue's poll functions ``park_commit`` hooks (``pop_transferred`` calls
+#: one of them each step and commits the requests whose poll is Success).
+PARK_TARGETS = tuple(
+    f"sglang.srt.disaggregation.decode.DecodeTransferQueue.{fn}"
+    for fn in ("_poll_with_metadata_gate", "_poll_with_staging")
+)
+#: Log line of a parked request (``parked``, ``released``, ``left``).
+PARK_LOG = "TEST FAULT park_commit"
 
 
 def parse_spec(spec: str) -> dict[str, str]:
@@ -176,6 +208,25 @@ def parse_late_write(spec: str) -> float:
             from None
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"{ENV}: late_write needs a positive finite delay, got {arg!r}")
+    return seconds
+
+
+def parse_park_commit(spec: str) -> float:
+    """Seconds the ``park_commit`` fault parks a finished transfer in ``spec`` (0.0: not armed).
+
+    The seconds are required, finite and positive; anything else raises ``ValueError``.
+    """
+    faults = parse_spec(spec)
+    if "park_commit" not in faults:
+        return 0.0
+    arg = faults["park_commit"]
+    try:
+        seconds = float(arg)
+    except ValueError:
+        raise ValueError(f"{ENV}: park_commit needs seconds, e.g. park_commit:3, got {arg!r}") \
+            from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{ENV}: park_commit needs a positive finite delay, got {arg!r}")
     return seconds
 
 
@@ -245,11 +296,13 @@ class KvCorrupt:
     prompt length)`` (never another request's slots); the change is deterministic in the rid.
     """
 
-    def before_commit(self, transfer_queue: Any, decode_req: Any) -> None:
-        """BEFORE hook of ``admit_commit``: corrupt, keep the gate's arguments."""
-        self.on_decode_commit(transfer_queue.scheduler, decode_req.req)
+    def before_check(self, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+        """BEFORE hook of ``_verify_kv_checksums``: corrupt the batch's fault requests."""
+        for req in getattr(batch, "reqs", ()):
+            self.corrupt(scheduler, req)
 
-    def on_decode_commit(self, scheduler: Any, req: Any) -> None:
+    def corrupt(self, scheduler: Any, req: Any) -> None:
+        """Change ``req``'s transferred KV if its rid asks for it (see the class doc)."""
         rid = getattr(req, "rid", None)
         if not isinstance(rid, str) or not rid.startswith(CORRUPT_PREFIX):
             return
@@ -291,9 +344,11 @@ class KvCorrupt:
         else:  # layer
             buf = pool.get_value_buffer(layer)
             raw = buf[locs].view(torch.uint8)
-            raw.view(len(locs), -1)[:, 0] ^= 1
+            top = buf.element_size() - 1  # the first element's most significant byte
+            raw.view(len(locs), -1)[:, top] ^= 0x40  # an exponent bit (bf16/fp16/fp32)
             buf[locs] = raw.view(buf.dtype)
-            what = f"flipped bit 0 of the first byte of V in every owned position at layer {layer}"
+            what = (f"flipped bit 6 of byte {top} (an exponent bit of the first element) of V "
+                    f"in every owned position at layer {layer}")
         logger.warning("%s: rid %s, mode %s: %s", CORRUPT_LOG, rid, mode, what)
 
 
@@ -461,10 +516,100 @@ class LateWrite:
         return result
 
 
+#: ``KVPoll`` values ``park_commit`` reads and writes (plain ints upstream).
+_POLL_SUCCESS, _POLL_TRANSFERRING = 4, 3
+
+_PARK_RE = re.compile(
+    PARK_LOG + r" (?P<event>parked|released|left): rid (?P<rid>\S+), poll (?P<status>\w+), "
+    r"after (?P<after>[0-9.]+) s, at (?P<t>[0-9.]+)"
+)
+
+
+@dataclass(frozen=True)
+class ParkEvent:
+    """One ``park_commit`` log line: a request parked, released to its commit, or gone."""
+
+    event: str  # parked | released | left
+    rid: str
+    status: str  # the poll the hook saw (by KVPoll name)
+    after: float  # seconds since the request was parked
+    at: float  # wall-clock time (time.time()) of the line
+
+
+def parse_park_log(text: str) -> list[ParkEvent]:
+    """Every ``park_commit`` event in a server log, in log order."""
+    return [ParkEvent(m["event"], m["rid"], m["status"], float(m["after"]), float(m["t"]))
+            for m in _PARK_RE.finditer(text)]
+
+
+@dataclass
+class ParkCommit:
+    """The armed ``park_commit`` fault: hold a ``PARK_PREFIX`` request between its transfer's
+    Success and decode's commit for ``seconds``, without blocking the scheduler.
+
+    Invariant: only polls of requests whose rid starts with ``PARK_PREFIX`` change, only from
+    Success to Transferring, and only within ``seconds`` of the first Success the hook saw for
+    that rid (once per rid); every other poll passes unchanged (other rids, a parked request's
+    Failed after an abort, a released request's later polls). The hook never sleeps.
+    """
+
+    seconds: float
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    #: rid -> clock() when the hook first saw its Success (while parked).
+    parked: dict[str, float] = field(default_factory=dict)
+    #: rids whose park is over (released or left): never parked again.
+    done: set[str] = field(default_factory=set)
+
+    def around_poll(self, original: Callable[..., Any], transfer_queue: Any, *args: Any,
+                    **kwargs: Any) -> Any:
+        """AROUND hook of the transfer queue's poll: park the Success of fault requests."""
+        polls = original(transfer_queue, *args, **kwargs)
+        reqs = list(getattr(transfer_queue, "queue", ()) or ())
+        rids = [getattr(getattr(dr, "req", None), "rid", None) for dr in reqs]
+        if not any(isinstance(r, str) and r.startswith(PARK_PREFIX) for r in rids):
+            return polls
+        out = list(polls)
+        for i, rid in enumerate(rids[: len(out)]):
+            if isinstance(rid, str) and rid.startswith(PARK_PREFIX):
+                out[i] = self.on_poll(rid, int(out[i]))
+        return out
+
+    def on_poll(self, rid: str, poll: int) -> int:
+        """The poll decode sees for fault request ``rid`` whose real poll is ``poll``."""
+        if rid in self.done:
+            return poll
+        now = self.clock()
+        since = self.parked.get(rid)
+        if poll != _POLL_SUCCESS:
+            if since is not None:  # the park ends without a commit (e.g. Failed: aborted)
+                self._end(rid, "left", poll, now - since)
+            return poll
+        if since is None:
+            self.parked[rid] = now
+            self._log("parked", rid, poll, 0.0)
+            return _POLL_TRANSFERRING
+        if now - since < self.seconds:
+            return _POLL_TRANSFERRING
+        self._end(rid, "released", poll, now - since)
+        return poll
+
+    def _end(self, rid: str, event: str, poll: int, after: float) -> None:
+        self.parked.pop(rid, None)
+        self.done.add(rid)
+        self._log(event, rid, poll, after)
+
+    def _log(self, event: str, rid: str, poll: int, after: float) -> None:
+        what = {"parked": f"transfer done, commit held {self.seconds:g} s",
+                "released": "committing now", "left": "never committed"}[event]
+        logger.warning("%s %s: rid %s, poll %s, after %.3f s, at %.3f; %s", PARK_LOG, event,
+                       rid, _KVPOLL_NAMES.get(poll, str(poll)), after, time.time(), what)
+
+
 #: The armed faults of this process (None until :func:`register` armed them).
 armed: ForeignKV | None = None
 armed_late_write: LateWrite | None = None
 armed_corrupt: KvCorrupt | None = None
+armed_park: ParkCommit | None = None
 
 
 def register() -> None:
@@ -474,15 +619,16 @@ def register() -> None:
     value raises ``ValueError`` (sglang's loader logs it: the server runs unarmed and says so).
     Idempotent within a process: a second call registers nothing more.
     """
-    global armed, armed_late_write, armed_corrupt
+    global armed, armed_late_write, armed_corrupt, armed_park
     spec = os.environ.get(ENV, "")
     if not spec.strip() or armed is not None or armed_late_write is not None \
-            or armed_corrupt is not None:
+            or armed_corrupt is not None or armed_park is not None:
         return
     n = parse_foreign_kv(spec)
     seconds = parse_late_write(spec)
     corrupt = "kv_corrupt" in parse_spec(spec)
-    if not n and not seconds and not corrupt:
+    park = parse_park_commit(spec)
+    if not n and not seconds and not corrupt and not park:
         logger.warning("%s=%r names no known test fault; nothing armed", ENV, spec)
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -499,12 +645,22 @@ def register() -> None:
         )
     if corrupt:
         armed_corrupt = KvCorrupt()
-        HookRegistry.register(TARGET, armed_corrupt.before_commit, HookType.BEFORE)
+        HookRegistry.register(CORRUPT_TARGET, armed_corrupt.before_check, HookType.BEFORE)
         logger.warning(
-            "TEST FAULT ARMED (%s=%s, plugin %s, pid %d): at decode commit (%s), requests with "
-            "rid prefix %r get their transferred KV bytes changed (modes %s). Never install "
-            "sglang-pdsafe-testkit or set this outside tests.",
-            ENV, spec, PLUGIN_NAME, os.getpid(), TARGET, CORRUPT_PREFIX, CORRUPT_MODES,
+            "TEST FAULT ARMED (%s=%s, plugin %s, pid %d): before a new decode batch is checked "
+            "(%s), requests with rid prefix %r get their transferred KV bytes changed (modes "
+            "%s). Never install sglang-pdsafe-testkit or set this outside tests.",
+            ENV, spec, PLUGIN_NAME, os.getpid(), CORRUPT_TARGET, CORRUPT_PREFIX, CORRUPT_MODES,
+        )
+    if park:
+        armed_park = ParkCommit(park)
+        for target in PARK_TARGETS:
+            HookRegistry.register(target, armed_park.around_poll, HookType.AROUND)
+        logger.warning(
+            "TEST FAULT ARMED (%s=%s, plugin %s, pid %d): the decode transfer queue's polls "
+            "(%s) hold the finished transfer of requests with rid prefix %r %.1f s before "
+            "decode commits it. Never install sglang-pdsafe-testkit or set this outside tests.",
+            ENV, spec, PLUGIN_NAME, os.getpid(), ", ".join(PARK_TARGETS), PARK_PREFIX, park,
         )
     if seconds:
         armed_late_write = LateWrite(seconds)
