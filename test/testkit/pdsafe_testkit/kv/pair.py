@@ -110,7 +110,15 @@ class KVPair:
         self.token_words = token_words
         self.aux_slots = aux_slots
         self.startup_timeout = startup_timeout
-        self.env = kv_child_env(env)
+        # The harness's decode lanes create receivers without the decode scheduler's pairing
+        # step (pair_agreement.ensure_prefill_info, which learns the prefill's wire version), so
+        # they never announce a pdsafe wire version and a fork prefill would refuse them as a
+        # stock decode (peer_capability). The harness tests the transfer itself, not the
+        # capability exchange (test/pd/test_mixed_versions.py and test_peer_capability.py do):
+        # its prefill serves them under the decode-protections waiver, unless the caller says
+        # otherwise.
+        self.env = kv_child_env({"SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS": "decode-protections",
+                                 **(env or {})})
         self.log_level = log_level
         self._own_log_dir = log_dir is None
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kv-harness-"))
