@@ -192,42 +192,31 @@ def parse_foreign_kv(spec: str) -> int:
     return n
 
 
-def parse_late_write(spec: str) -> float:
-    """Seconds the ``late_write`` fault holds a write in ``spec`` (0.0: not armed).
-
-    The seconds are required, finite and positive; anything else raises ``ValueError``.
-    """
+def _parse_seconds(spec: str, name: str, example: str) -> float:
+    """Seconds of the fault ``name`` in ``spec`` (0.0: not armed): required, finite and
+    positive; anything else raises ``ValueError`` naming ``example``."""
     faults = parse_spec(spec)
-    if "late_write" not in faults:
+    if name not in faults:
         return 0.0
-    arg = faults["late_write"]
+    arg = faults[name]
     try:
         seconds = float(arg)
     except ValueError:
-        raise ValueError(f"{ENV}: late_write needs seconds, e.g. late_write:6, got {arg!r}") \
+        raise ValueError(f"{ENV}: {name} needs seconds, e.g. {example}, got {arg!r}") \
             from None
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{ENV}: late_write needs a positive finite delay, got {arg!r}")
+        raise ValueError(f"{ENV}: {name} needs a positive finite delay, got {arg!r}")
     return seconds
+
+
+def parse_late_write(spec: str) -> float:
+    """Seconds the ``late_write`` fault holds a write in ``spec`` (0.0: not armed)."""
+    return _parse_seconds(spec, "late_write", "late_write:6")
 
 
 def parse_park_commit(spec: str) -> float:
-    """Seconds the ``park_commit`` fault parks a finished transfer in ``spec`` (0.0: not armed).
-
-    The seconds are required, finite and positive; anything else raises ``ValueError``.
-    """
-    faults = parse_spec(spec)
-    if "park_commit" not in faults:
-        return 0.0
-    arg = faults["park_commit"]
-    try:
-        seconds = float(arg)
-    except ValueError:
-        raise ValueError(f"{ENV}: park_commit needs seconds, e.g. park_commit:3, got {arg!r}") \
-            from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{ENV}: park_commit needs a positive finite delay, got {arg!r}")
-    return seconds
+    """Seconds the ``park_commit`` fault parks a finished transfer in ``spec`` (0.0: not armed)."""
+    return _parse_seconds(spec, "park_commit", "park_commit:3")
 
 
 @dataclass
