@@ -430,7 +430,8 @@ def test_abort_prealloc_holds_the_pool_and_aborts_in_the_queue(pair) -> None:
     assert _outcomes(ctx, "abort-prealloc-") == [Outcome.EXPLICIT_ERROR] * 2
     assert _outcomes(ctx, "prealloc-holder-") == [Outcome.IDENTICAL]
     holder = next(r for r in ctx.records if r.label.startswith("prealloc-holder-"))
-    assert "the client cut the stream" in holder.detail and holder.max_new_tokens == 32
+    # How many tokens arrived before the cut depends on timing (a loaded box sends fewer).
+    assert "the client cut the stream" in holder.detail and 0 < holder.max_new_tokens <= 32
     _rest_identical(ctx, "abort-prealloc-")
     # decode for both, the prefill too for every other one
     assert [r for r, _ in p.world.abort_calls] == ["decode", "decode", "prefill"]
