@@ -11,6 +11,11 @@ end in HTTP 500 "KV integrity check failed" naming the room, one more
 (no false alarm; ``kv_digest_verified_total`` shows their checks ran). Without the digest
 patch these requests are answered with HTTP 200 (the one-bit cases often with the reference's
 tokens: only the digest can see them).
+
+Backends: ``pdsafe_testkit.backends.ci_backends()`` (Mooncake in CI; every backend with
+``PDSAFE_FULL_BACKENDS=all``): the check runs after the transfer, the same code for every
+backend; NIXL's digest path (its row's transfer, its verification of every clean request) is
+exercised by ``test_pd_content.py`` on every run, with the digest on by default.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from pdsafe_testkit.backends import ci_backends
 from pdsafe_testkit.faults import CORRUPT_LOG, CORRUPT_MODES, CORRUPT_PREFIX
 from pdsafe_testkit.metrics import metric_total
 from pdsafe_testkit.oracle import random_prompt
@@ -30,6 +36,13 @@ pytestmark = pytest.mark.server
 MAX_NEW = 16
 HEAD = "KV integrity check failed"
 REFUSALS = ("mismatch", "missing", "invalid", "failed")
+
+
+@pytest.fixture(autouse=True)
+def _ci_backends_only(pd) -> None:
+    if pd.backend not in ci_backends():
+        pytest.skip(f"{pd.backend}: corruption cases run on {ci_backends()} "
+                    "(PDSAFE_FULL_BACKENDS=all runs every backend)")
 
 
 def _counters(url: str) -> dict[str, float]:

@@ -32,7 +32,7 @@ its last chunk, before the aux data is posted; decode reads it when it commits t
     2     value (lo)      bytes 8-15
     3     signature       bytes 0-7 of the 16-byte layout signature digest
     4     room            bootstrap room the digest is bound to
-    5     generation      transfer generation (0 until the ownership work mints one)
+    5     generation      transfer generation (``transfer_generation``; 0: none was sent)
     6     prefix          first position digested (decode's promised prefix length)
     7     token_count     positions digested: ``[prefix, prefix + token_count)``
     ====  ==============  ============================================================
@@ -81,7 +81,9 @@ server's own warmup; clients cannot send it, ``client_guard``): no KV travels fo
 Invariant: with the digest on, a transferred request reaches its first decode step only if
 decode's own digest of ``[prefix, prefix + count)`` over its pages equals prefill's, bound to
 the same room, generation, range and layout, or (explicitly waived, counted) its prefill is a
-stock peer that sent no digest at all.
+stock peer that sent no digest at all. Prefill digests with the transfer generation the
+room's decode ranks sent and decode with its own reservation's (:mod:`transfer_generation`),
+so a row written for another reservation of the same room never verifies (``BINDING``).
 """
 
 from __future__ import annotations
@@ -302,6 +304,15 @@ def _rid(req: Any) -> str:
     return str(getattr(req, "rid", "?"))
 
 
+def _prefill_generation(req: Any) -> int:
+    """The transfer generation the room's decode ranks sent (0: none, a stock decode or a
+    fake transfer); raises when they disagree (the row is then zeroed)."""
+    sender = getattr(req, "disagg_kv_sender", None)
+    if sender is None or not hasattr(sender, "pdsafe_transfer_generation"):
+        return 0  # the fake-transfer path (server warmup) and backends without it
+    return int(sender.pdsafe_transfer_generation())
+
+
 def prefill_write_row(scheduler: Any, req: Any, digester: Digester,
                       end_idx: int | None) -> bool:
     """Prefill, at the request's last chunk, before the chunk (and the aux data) is sent:
@@ -316,7 +327,8 @@ def prefill_write_row(scheduler: Any, req: Any, digester: Digester,
             end_idx = min(req.extend_end, len(req.origin_input_ids))
         prefix = int(getattr(req, "disagg_decode_prefix_len", 0) or 0)
         d = digester.digest(scheduler, req, prefix=prefix, length=int(end_idx),
-                            room=int(req.bootstrap_room or 0), generation=0)
+                            room=int(req.bootstrap_room or 0),
+                            generation=_prefill_generation(req))
         write_row(buf, index, encode_row(d))
         return True
     except Exception as e:  # noqa: BLE001 - fail closed: zero row, decode refuses it
@@ -343,6 +355,7 @@ class Expected:
     fake: bool
     stock_waiver: bool
     bootstrap_addr: str
+    generation: int = 0  # the reservation's transfer generation (transfer_generation)
 
 
 def _range(decode_req: Any) -> tuple[int, int]:
@@ -369,10 +382,13 @@ def capture(transfer_queue: Any, decode_req: Any, *, fake: bool) -> None:
                  else tuple(int(v) for v in buf[decode_req.metadata_buffer_index].tolist()))
         prefix, length = (0, 0) if fake else _range(decode_req)
         receiver = getattr(decode_req, "kv_receiver", None)
+        generation = (receiver.pdsafe_transfer_generation()
+                      if hasattr(receiver, "pdsafe_transfer_generation") else 0)
         setattr(req, _ATTR, Expected(
             words=words, prefix=prefix, length=length, fake=fake,
             stock_waiver=not fake and peer_policy.digest_waivable(decode_req),
-            bootstrap_addr=str(getattr(receiver, "bootstrap_addr", "") or "")))
+            bootstrap_addr=str(getattr(receiver, "bootstrap_addr", "") or ""),
+            generation=int(generation)))
     except Exception as e:  # noqa: BLE001 - the check fails the request (counted there)
         logger.error("sglang-pdsafe: could not keep the KV digest row of request %s: %s: %s",
                      _rid(req), type(e).__name__, e, exc_info=True)
@@ -395,8 +411,10 @@ class Check:
 _OK = Check(None)
 
 
-def _fail(counter: str, req: Any, why: str, room: Any = None, generation: int = 0) -> Check:
+def _fail(counter: str, req: Any, why: str, room: Any = None,
+          generation: int | None = None) -> Check:
     room = getattr(req, "bootstrap_room", None) if room is None else room
+    generation = _expected_generation(req) if generation is None else generation
     return Check(counter, f"{HEAD} (request {_rid(req)}, room {room}, generation "
                           f"{generation}): {why}")
 
@@ -436,7 +454,8 @@ def check_request(scheduler: Any, req: Any, digester: Digester, *, kv_manager: A
                      row.room, row.generation)
     try:
         actual = digester.digest(scheduler, req, prefix=exp.prefix, length=exp.length,
-                                 room=int(req.bootstrap_room or 0), generation=0)
+                                 room=int(req.bootstrap_room or 0),
+                                 generation=exp.generation)
     except Exception as e:  # noqa: BLE001 - fail closed
         logger.error("sglang-pdsafe: decode could not digest the KV of request %s: %s: %s",
                      _rid(req), type(e).__name__, e, exc_info=True)
@@ -521,5 +540,10 @@ def agreed(agreed_flags: list[int]) -> None:
 def peer_rank_message(req: Any) -> str:
     """The failure of a request that another TP rank of this decode found corrupt."""
     return (f"{HEAD} (request {_rid(req)}, room {getattr(req, 'bootstrap_room', None)}, "
-            "generation 0): another TP rank of this decode found its KV shard differs from "
-            "what prefill sent (see that rank's log)")
+            f"generation {_expected_generation(req)}): another TP rank of this decode "
+            "found its KV shard differs from what prefill sent (see that rank's log)")
+
+
+def _expected_generation(req: Any) -> int:
+    exp = getattr(req, _ATTR, None)
+    return exp.generation if isinstance(exp, Expected) else 0

@@ -101,6 +101,24 @@ COUNTERS: dict[str, str] = {
     "page_generation_failed_total":
         "Page-generation hooks that failed (snapshot, check or release scope). A failed "
         "decode check or a missing decode snapshot refuses the transfer (fail closed).",
+    # transfer generations on the wire (issue 9, item 2)
+    "stale_kv_status_dropped_total":
+        "KV status messages (readiness, Success, Failed) a decode dropped because they did not "
+        "carry the transfer generation of the room's live reservation (stale, replayed or "
+        "forged; a late Success would have committed pages prefill never wrote).",
+    "stale_aux_data_dropped_total":
+        "TCP aux data messages a decode dropped: another or no transfer generation, another "
+        "metadata slot than the reservation's, or a room the decode holds no reservation of "
+        "(upstream would have written that slot).",
+    "stale_chunk_ready_dropped_total":
+        "Staging CHUNK_READY messages a decode dropped because they did not carry the transfer "
+        "generation of the room's live reservation.",
+    "transfer_generation_split_total":
+        "Prefill rooms whose decode ranks sent different transfer generations (their "
+        "reservations left lockstep); the digest row is zeroed and decode refuses the transfer.",
+    "transfer_generation_failed_total":
+        "Transfer-generation hooks that failed (mint, record, tag or check). A failed check "
+        "drops the message (fail closed); a failed mint leaves the room without a generation.",
     # rolling upgrades: stock peers (issue #11, item 1)
     "stock_peer_paired_total":
         "Prefills without sglang-pdsafe (no pdsafe wire version) a decode paired with because "

@@ -51,9 +51,11 @@ decode host-receive path, unknown subclasses): never silently unprotected.
   ``page_generation_free_skipped_total``), and on prefill also skip the radix-cache insert.
 
 Off: ``SGLANG_PDSAFE_PAGE_GENERATION=0`` (startup warning; nothing attached, upstream's bare
-free lists). Not done here: the generation does not travel on the wire (KV status, aux data,
-ABORT/ACK) and req-slot-indexed state (SWA ring, DSV4 request state, request rows) carries
-none; on a GPU the check reads one flag back per transfer (a device sync).
+free lists). Not done here: the page generation itself does not travel on the wire (the
+tables' epochs, :func:`epochs`, seed each reservation's transfer generation, which does:
+:mod:`sglang.pdsafe.transfer_generation`), req-slot-indexed state (SWA ring, DSV4 request
+state, request rows) carries none, and on a GPU the check reads one flag back per transfer (a
+device sync).
 """
 
 from __future__ import annotations
@@ -328,6 +330,16 @@ def install(allocator: Any, req_to_token_pool: Any, server_args: Any) -> list[st
         names.append(table.name)
     logger.info("pdsafe page generations attached (%s): %s", mode, ", ".join(names))
     return names
+
+
+def epochs(allocator: Any) -> tuple[int, ...]:
+    """The current epochs of ``allocator``'s generation tables (one per leaf; empty when page
+    generations are off or not installed on it). Host integers, no device read: every free
+    moves them, and the ranks of a TP group, which free in lockstep, read the same ones
+    (``transfer_generation`` derives a reservation's generation from them)."""
+    if not enabled() or allocator is None or not installed(allocator):
+        return ()
+    return tuple(table_of(part.leaf).epoch for part in _parts(allocator))
 
 
 def installed(allocator: Any) -> bool:

@@ -68,7 +68,9 @@ logger = logging.getLogger("sglang.pdsafe.pair_agreement")
 #: a pdsafe peer understands (bump when a field changes meaning or a message is added).
 #: /2: a decode announces itself to a prefill of this version (``peer_capability``); a prefill
 #: of /1 would misparse that announcement, so a /2 decode sends it to /2 prefills only.
-WIRE_VERSION = "sglang-pdsafe-pair/2"
+#: /3: decode metadata and every prefill message for it carry the transfer generation
+#: (``transfer_generation``); a /3 decode drops a status without it, so /2 pairs are refused.
+WIRE_VERSION = "sglang-pdsafe-pair/3"
 ENV_ENABLE = "SGLANG_PDSAFE_PAIR_AGREEMENT"
 ENV_SKIP = "SGLANG_PDSAFE_PAIR_AGREEMENT_SKIP"
 MISMATCH = "pair_setting_mismatch_total"

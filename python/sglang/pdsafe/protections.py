@@ -145,6 +145,7 @@ HOOK_MODULES: tuple[str, ...] = (
     "sglang.pdsafe.kv_integrity",
     "sglang.pdsafe.source_lease",
     "sglang.pdsafe.page_generation",
+    "sglang.pdsafe.transfer_generation",
 )
 
 

@@ -1,0 +1,424 @@
+"""Transfer generations: every control message of a PD transfer names the reservation it is for.
+
+Upstream 0.5.23 keys a transfer by its ``bootstrap_room`` alone, and the room is
+client-controlled. The room guard (:mod:`sglang.pdsafe.room_guard`) keeps one live request per
+room per server, but a room is free again once its request is gone, and a message of the old
+transfer can still be on its way: a late ``KVPoll.Success`` from prefill makes decode commit a
+new reservation of the same room before its KV arrived (it would decode the pages' earlier
+content), a late TCP aux message writes the metadata slot its *old* reservation named (now
+another request's), a late ``CHUNK_READY`` scatters a staging chunk into the new reservation.
+Only the (possibly replayed) room ties any of them to a transfer.
+
+**The generation.** When a decode rank reserves a transfer's pages
+(``DecodePreallocQueue._send_kv_metadata``), :func:`mint_for_reservation` derives the
+reservation's transfer generation (63 bits, never 0) from what that reservation is on this
+server: room, rid, metadata slot, page ids, and the epochs of the page-generation tables
+(:mod:`sglang.pdsafe.page_generation`), which move with every free. Two reservations of one
+server can only share pages or a slot if one freed them before the other took them, so the
+epochs differ: a new reservation gets a new generation even for a replayed room and rid.
+Nothing of it comes from a client field alone. The ranks of a decode TP group reserve and free
+in lockstep, so they derive the same generation without a collective (the prefill checks it:
+below). With page generations off (``SGLANG_PDSAFE_PAGE_GENERATION=0``) a per-manager
+reservation counter stands in for the epochs (the same lockstep argument).
+
+**On the wire** (frame ``PDSAFE_GEN1:<decimal>``, always the *last* frame, appended after
+upstream's fixed frames, which stock parsers never read past):
+
+* decode -> prefill, the receiver metadata (``TransferInfo``) for each prefill rank: sent only
+  to a prefill that published this release's wire version (``pair_agreement``; a stock
+  prefill or another release never sees it), and only on backends whose managers carry it
+  back (``pdsafe_transfer_generation_wired``: Mooncake, Ascend through Mooncake, NIXL; not
+  MORI);
+* prefill -> decode, every message for that decode endpoint: KV status (bootstrap readiness,
+  Success, Failed, peer-release and refusal notices), TCP aux data (Mooncake
+  ``SGLANG_MOONCAKE_SEND_AUX_TCP``) and staging ``CHUNK_READY``, each with the generation that
+  endpoint sent for the room (:func:`note_metadata` records it before anything else looks at
+  the metadata);
+* the KV digest row (:mod:`sglang.pdsafe.kv_integrity`) binds it: prefill digests with the
+  room's generation (:func:`prefill_generation`), decode recomputes with its own, so a row from
+  another reservation of the room is a binding failure (500), never accepted.
+
+**Checks** (decode, each backend's control thread, before upstream acts on the message):
+a room for which this rank sent a generation accepts a message only if it carries exactly that
+generation; anything else (another generation, none, a malformed one) is dropped and counted
+by type (``stale_kv_status_dropped_total``, ``stale_aux_data_dropped_total``,
+``stale_chunk_ready_dropped_total``). Aux data must also name the reservation's own metadata
+slot, and aux data for a room this rank does not hold is dropped (upstream wrote it into
+whatever slot the message named). A room without a generation (its prefill is a waived stock
+peer: nothing was sent) is handled as upstream does. Prefill: when the decode ranks of one
+room named different generations (they broke lockstep), :func:`prefill_generation` refuses:
+the digest row is zeroed and decode refuses the transfer, counted in
+``transfer_generation_split_total``.
+
+State: per decode KV manager, room -> :class:`Live` (set at the reservation, dropped when the
+receiver is cleared, :func:`released`); per prefill KV manager, (room, endpoint, port) ->
+generation, bounded (:data:`MAX_ROOMS` rooms, oldest dropped: its later messages carry no
+generation and are dropped by the decode, which then fails the request at its own timeout;
+fail closed). Transitions::
+
+    decode:  (none) --mint--> live(g, slot) --metadata sent--> live, expected back
+             live --receiver cleared--> (none)        live --mint (same room)--> live(g')
+    prefill: (none) --metadata(room, endpoint, g)--> known(g) --later metadata--> known(g')
+
+Invariant: while a decode rank holds a reservation whose generation it sent, no status, aux
+or chunk-ready message without that generation changes the reservation's state or its
+metadata slot; prefill tags every such message with the generation the endpoint sent for the
+room, and digests with it.
+
+What it does not cover: ABORT / ABORT_ACK keep upstream's own generation (decode mints one
+per armed deferred release, ``register_deferred_abort_room``; the quarantine releases pages
+only on the ACK of that generation), and a stale ABORT can fail a live room of the same
+number on the prefill (a failed request, never a leak). One-sided KV writes carry nothing:
+a late write lands where its old reservation pointed; the quarantine holds those pages
+until the drain is acknowledged. MORI does not carry the generation (it cannot run here);
+its rooms are handled as upstream does. The coverage attestation row has no free slot: its
+freshness comes from the digest row, checked before the first decode step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sglang.pdsafe import metrics
+from sglang.pdsafe.hook_api import attached, guarded, require
+from sglang.pdsafe.protections import Protection, is_pd, register
+
+logger = logging.getLogger("sglang.pdsafe.transfer_generation")
+
+#: Prefix of the generation frame (never a room number, an upstream tag or a guard).
+FRAME_PREFIX = b"PDSAFE_GEN1:"
+STALE_STATUS = "stale_kv_status_dropped_total"
+STALE_AUX = "stale_aux_data_dropped_total"
+STALE_CHUNK = "stale_chunk_ready_dropped_total"
+SPLIT = "transfer_generation_split_total"
+FAILED = "transfer_generation_failed_total"
+#: Rooms a prefill manager remembers generations for (oldest forgotten first: fail closed).
+MAX_ROOMS = 65536
+#: A dropped message of one type is logged at most this often (the counter counts all).
+LOG_EVERY_S = 10.0
+_U63 = (1 << 63) - 1
+_KV_MANAGER = "sglang.srt.disaggregation.common.conn.CommonKVManager"
+_RECEIVER = "sglang.srt.disaggregation.common.conn.CommonKVReceiver"
+
+register(Protection(
+    name="transfer-generation",
+    guards="every status, aux and chunk-ready message of a PD transfer carries the "
+           "reservation's server-minted generation; stale or replayed ones are dropped",
+    is_active=is_pd,
+))
+
+require(_KV_MANAGER, "pdsafe_transfer_generation_wired", "pdsafe_room_status(bootstrap_room)",
+        "parse_kv_status_message(msg)", "kv_status_msg_carries_reason",
+        "pdsafe_note_transfer_generation(bootstrap_room, msg)",
+        "pdsafe_generation_frames(bootstrap_room, endpoint, dst_port)",
+        "pdsafe_drops_stale_message(kind, msg)",
+        why="transfer generations: prefill records and echoes the generation decode sent, "
+            "decode drops control messages without it (issue 9, item 2)")
+require(_RECEIVER, "pdsafe_metadata_generation_frames()", "pdsafe_transfer_generation()",
+        why="transfer generations: decode sends its reservation's generation with the metadata")
+require("sglang.srt.disaggregation.common.conn.CommonKVSender",
+        "pdsafe_transfer_generation()",
+        why="transfer generations: prefill binds the room's generation into the KV digest")
+
+_guard = {"failure_counter": FAILED}
+
+
+class GenerationSplitError(RuntimeError):
+    """The decode ranks of one room named different transfer generations."""
+
+
+def encode_frame(generation: int) -> bytes:
+    """The wire frame for ``generation`` (1 .. 2**63-1)."""
+    if not 0 < int(generation) <= _U63:
+        raise ValueError(f"transfer generation out of range: {generation}")
+    return FRAME_PREFIX + str(int(generation)).encode("ascii")
+
+
+def frame_generation(msg: Sequence[bytes]) -> int | None:
+    """The generation a message carries in its last frame: None when it carries none, -1 when
+    the frame is malformed (never equal to a live generation)."""
+    if not msg:
+        return None
+    last = msg[-1]
+    if not isinstance(last, (bytes, bytearray, memoryview)):
+        return None
+    last = bytes(last)
+    if not last.startswith(FRAME_PREFIX):
+        return None
+    digits = last[len(FRAME_PREFIX):]
+    if not digits.isdigit() or len(digits) > 19:
+        return -1
+    value = int(digits)
+    return value if 0 < value <= _U63 else -1
+
+
+def derive(*, room: int, rid: str, aux_index: int | None, page_indices: Any,
+           epochs: Sequence[int]) -> int:
+    """The generation of one reservation (pure): a 63-bit BLAKE2b of everything it is on this
+    server; never 0."""
+    h = hashlib.blake2b(digest_size=8, person=b"pdsafe-gen1")
+    h.update(str(int(room)).encode("ascii") + b"\0")
+    h.update(str(rid).encode("utf-8", "replace") + b"\0")
+    h.update(str(-1 if aux_index is None else int(aux_index)).encode("ascii") + b"\0")
+    h.update(np.ascontiguousarray(np.asarray(page_indices, dtype=np.int64)).tobytes() + b"\0")
+    h.update(b",".join(str(int(e)).encode("ascii") for e in epochs))
+    return (int.from_bytes(h.digest(), "little") & _U63) or 1
+
+
+# =========================================================================== decode side
+
+
+@dataclass(frozen=True)
+class Live:
+    """A decode rank's current reservation of a room."""
+
+    generation: int
+    aux_index: int | None
+    sent: bool = False  # the generation went to at least one prefill rank
+
+
+class _DecodeRooms:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rooms: dict[int, Live] = {}
+        self.counter = itertools.count(1)
+
+
+def _decode_rooms(kv_mgr: Any) -> _DecodeRooms:
+    return attached(kv_mgr, "_pdsafe_transfer_generation_decode", _DecodeRooms)
+
+
+def _receiver_generation_attr() -> str:
+    return "_pdsafe_transfer_generation"
+
+
+def _epochs(queue: Any, kv_mgr: Any) -> tuple[int, ...]:
+    from sglang.pdsafe import page_generation
+
+    epochs = page_generation.epochs(getattr(queue, "token_to_kv_pool_allocator", None))
+    if epochs:
+        return epochs
+    return (-next(_decode_rooms(kv_mgr).counter),)
+
+
+@guarded("transfer_generation.mint_for_reservation", default=None, **_guard)
+def mint_for_reservation(queue: Any, decode_req: Any, page_indices: Any) -> None:
+    """``DecodePreallocQueue._send_kv_metadata``, after the pages and the metadata slot are
+    reserved and before the metadata is sent: mint the reservation's generation and make it
+    the room's live one on this rank. A failure leaves none (counted, logged): the
+    transfer then runs as with a stock prefill, checked by the coverage and digest rows."""
+    receiver = decode_req.kv_receiver
+    kv_mgr = receiver.kv_mgr
+    if not getattr(kv_mgr, "pdsafe_transfer_generation_wired", False):
+        return
+    req = decode_req.req
+    room = int(req.bootstrap_room)
+    aux_index = decode_req.metadata_buffer_index
+    generation = derive(room=room, rid=str(req.rid), aux_index=aux_index,
+                        page_indices=page_indices, epochs=_epochs(queue, kv_mgr))
+    setattr(receiver, _receiver_generation_attr(), generation)
+    rooms = _decode_rooms(kv_mgr)
+    with rooms.lock:
+        rooms.rooms[room] = Live(generation, None if aux_index is None else int(aux_index))
+
+
+def receiver_generation(receiver: Any) -> int:
+    """The generation ``receiver`` minted (0: none)."""
+    return int(getattr(receiver, _receiver_generation_attr(), 0) or 0)
+
+
+@guarded("transfer_generation.metadata_frames", default=[], **_guard)
+def metadata_frames(receiver: Any) -> list[bytes]:
+    """``CommonKVReceiver.send_metadata``: the frames appended to the metadata for the room's
+    prefill: the generation frame when this rank minted one and the prefill published this
+    release's wire version, else none (then nothing is expected back)."""
+    from sglang.pdsafe import pair_agreement
+
+    generation = receiver_generation(receiver)
+    if not generation:
+        return []
+    kv_mgr = receiver.kv_mgr
+    if pair_agreement.prefill_wire_version(kv_mgr, receiver.bootstrap_addr) != \
+            pair_agreement.WIRE_VERSION:
+        return []
+    room = int(receiver.bootstrap_room)
+    rooms = _decode_rooms(kv_mgr)
+    with rooms.lock:
+        live = rooms.rooms.get(room)
+        if live is None or live.generation != generation:
+            return []  # cleared, or re-minted by a later reservation of the room
+        if not live.sent:
+            rooms.rooms[room] = Live(live.generation, live.aux_index, True)
+    return [encode_frame(generation)]
+
+
+def released(receiver: Any) -> None:
+    """``CommonKVReceiver._clear``: the reservation is gone; its generation stops being live
+    (only if no later reservation of the room replaced it). Never raises."""
+    generation = receiver_generation(receiver)
+    if not generation:
+        return
+    try:
+        rooms = _decode_rooms(receiver.kv_mgr)
+        with rooms.lock:
+            live = rooms.rooms.get(int(receiver.bootstrap_room))
+            if live is not None and live.generation == generation:
+                del rooms.rooms[int(receiver.bootstrap_room)]
+    except Exception as e:  # noqa: BLE001 - cleanup; a stale entry only drops messages
+        metrics.inc(FAILED)
+        logger.error("pdsafe transfer generation: could not release room %s: %s: %s",
+                     getattr(receiver, "bootstrap_room", "?"), type(e).__name__, e)
+
+
+def expected(kv_mgr: Any, room: int) -> Live | None:
+    """The room's live reservation on this decode rank if its generation was sent (then every
+    message for the room must carry it), else None."""
+    rooms = _decode_rooms(kv_mgr)
+    with rooms.lock:
+        live = rooms.rooms.get(int(room))
+    return live if live is not None and live.sent else None
+
+
+_last_log: dict[str, float] = {}
+
+
+def _drop(counter: str, kind: str, room: Any, why: str) -> bool:
+    metrics.inc(counter)
+    now = time.monotonic()
+    if now - _last_log.get(kind, -LOG_EVERY_S) >= LOG_EVERY_S:
+        _last_log[kind] = now
+        logger.warning("pdsafe transfer generation: dropped a %s message for room %s: %s "
+                       "(stale, replayed or forged; counted in %s%s). Nothing to do unless "
+                       "the counter keeps rising: then look for a peer sending for rooms it "
+                       "no longer owns.", kind, room, why, metrics.PREFIX, counter)
+    return True
+
+
+def _room_of(kv_mgr: Any, kind: str, msg: Sequence[bytes]) -> tuple[int | None, int | None]:
+    """(room, aux slot) a message is for; None when upstream's parser would drop it anyway."""
+    if kind == "kv_status":
+        parsed = kv_mgr.parse_kv_status_message(list(msg))
+        return (None, None) if parsed is None else (int(parsed[0]), None)
+    try:
+        room = int(bytes(msg[1]).decode("ascii"))
+        slot = int(bytes(msg[3]).decode("ascii")) if kind == "aux_data" else None
+    except (IndexError, ValueError, UnicodeDecodeError):
+        return None, None
+    return room, slot
+
+
+_COUNTERS = {"kv_status": STALE_STATUS, "aux_data": STALE_AUX, "chunk_ready": STALE_CHUNK}
+
+
+@guarded("transfer_generation.drops_stale_message", default=True, **_guard)
+def drops_stale_message(kv_mgr: Any, kind: str, msg: Sequence[bytes]) -> bool:
+    """Decode control thread, before upstream handles ``msg`` (``kind``: ``kv_status``,
+    ``aux_data`` or ``chunk_ready``): True when the message is dropped (counted). A failing
+    check drops it (fail closed: the request then fails at its own timeout)."""
+    counter = _COUNTERS[kind]
+    room, slot = _room_of(kv_mgr, kind, msg)
+    if room is None:
+        return False  # not well-formed: upstream's own parser drops it
+    live = expected(kv_mgr, room)
+    if live is None:
+        if kind == "aux_data" and kv_mgr.pdsafe_room_status(room) is None:
+            return _drop(counter, kind, room, "this decode holds no reservation of the room, "
+                                              f"so metadata slot {slot} is not the room's")
+        return False  # no generation sent for the room (stock peer): upstream's handling
+    carried = frame_generation(msg)
+    if carried != live.generation:
+        got = "none" if carried is None else ("malformed" if carried < 0 else str(carried))
+        return _drop(counter, kind, room, f"it carries generation {got}, the room's live "
+                                          f"reservation has {live.generation}")
+    if kind == "aux_data" and live.aux_index is not None and slot != live.aux_index:
+        return _drop(counter, kind, room, f"it names metadata slot {slot}, the reservation's "
+                                          f"is {live.aux_index}")
+    return False
+
+
+# =========================================================================== prefill side
+
+
+class _PrefillRooms:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rooms: OrderedDict[int, dict[tuple[str, int], int]] = OrderedDict()
+
+
+def _prefill_rooms(kv_mgr: Any) -> _PrefillRooms:
+    return attached(kv_mgr, "_pdsafe_transfer_generation_prefill", _PrefillRooms)
+
+
+def _text(value: Any) -> str:
+    return bytes(value).decode("ascii") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+@guarded("transfer_generation.note_metadata", default=None, **_guard)
+def note_metadata(kv_mgr: Any, room: int, msg: Sequence[bytes]) -> None:
+    """Prefill bootstrap thread, when decode metadata for ``room`` arrives (``msg``: room,
+    endpoint, port, ... as upstream's ``TransferInfo.from_zmq`` reads it): remember the
+    generation that endpoint sent (or that it sent none: a metadata message always replaces
+    what the endpoint sent for the room before)."""
+    endpoint, port = _text(msg[1]), int(_text(msg[2]))
+    carried = frame_generation(msg)
+    state = _prefill_rooms(kv_mgr)
+    with state.lock:
+        targets = state.rooms.get(int(room))
+        if targets is None:
+            targets = state.rooms[int(room)] = {}
+            while len(state.rooms) > MAX_ROOMS:
+                state.rooms.popitem(last=False)
+        else:
+            state.rooms.move_to_end(int(room))
+        if carried is None or carried < 0:
+            targets.pop((endpoint, port), None)
+        else:
+            targets[(endpoint, port)] = carried
+
+
+def _target_generation(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> int | None:
+    state = _prefill_rooms(kv_mgr)
+    with state.lock:
+        targets = state.rooms.get(int(room))
+        return None if targets is None else targets.get((_text(endpoint), int(port)))
+
+
+@guarded("transfer_generation.generation_frames", default=[], **_guard)
+def generation_frames(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> list[bytes]:
+    """Prefill, for a message to one decode endpoint: the generation frame that endpoint sent
+    for the room, or none (it sent none: a stock decode, or a room this prefill forgot)."""
+    generation = _target_generation(kv_mgr, room, endpoint, port)
+    return [] if generation is None else [encode_frame(generation)]
+
+
+def status_frames(kv_mgr: Any, room: int, endpoint: Any, port: Any, *,
+                  has_reason: bool) -> list[bytes]:
+    """:func:`generation_frames` for a KV status message: an empty reason frame goes first
+    when the message has none, so that a parser reading the fourth frame as the failure reason
+    never reads the generation."""
+    frames = generation_frames(kv_mgr, room, endpoint, port)
+    return frames if has_reason or not frames else [b""] + frames
+
+
+def prefill_generation(kv_mgr: Any, room: int) -> int:
+    """The generation the decode ranks of ``room`` sent (0: none sent one). Raises
+    :class:`GenerationSplitError` (counted) when they sent different ones."""
+    state = _prefill_rooms(kv_mgr)
+    with state.lock:
+        gens = set((state.rooms.get(int(room)) or {}).values())
+    if len(gens) > 1:
+        metrics.inc(SPLIT)
+        raise GenerationSplitError(
+            f"the decode ranks of room {room} sent different transfer generations "
+            f"{sorted(gens)} (their reservations are out of lockstep); the transfer is "
+            "refused. Operators: restart the decode server and report it.")
+    return gens.pop() if gens else 0
