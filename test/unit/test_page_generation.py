@@ -475,7 +475,9 @@ class _Decode:
         """Upstream's real ``_send_kv_metadata`` for ``req`` (the page indices sent)."""
         from sglang.srt.disaggregation.decode import DecodeRequest
 
-        receiver = SimpleNamespace(send_metadata=MagicMock(), clear=MagicMock())
+        # A manager without transfer generations (they have their own tests).
+        receiver = SimpleNamespace(send_metadata=MagicMock(), clear=MagicMock(),
+                                   kv_mgr=SimpleNamespace(pdsafe_transfer_generation_wired=False))
         dreq = DecodeRequest(req=req, kv_receiver=receiver)
         kv = self.rtt.req_to_token[req.kv.req_pool_idx, :TOKENS]
         self.pq._send_kv_metadata(dreq, kv, PAGE, None, decode_prefix_len=0)

@@ -38,32 +38,43 @@ upstream's fixed frames, which stock parsers never read past):
   room's generation (:func:`prefill_generation`), decode recomputes with its own, so a row from
   another reservation of the room is a binding failure (500), never accepted.
 
-**Checks** (decode, each backend's control thread, before upstream acts on the message):
-a room for which this rank sent a generation accepts a message only if it carries exactly that
-generation; anything else (another generation, none, a malformed one) is dropped and counted
-by type (``stale_kv_status_dropped_total``, ``stale_aux_data_dropped_total``,
-``stale_chunk_ready_dropped_total``). Aux data must also name the reservation's own metadata
-slot, and aux data for a room this rank does not hold is dropped (upstream wrote it into
-whatever slot the message named). A room without a generation (its prefill is a waived stock
-peer: nothing was sent) is handled as upstream does. Prefill: when the decode ranks of one
-room named different generations (they broke lockstep), :func:`prefill_generation` refuses:
-the digest row is zeroed and decode refuses the transfer, counted in
-``transfer_generation_split_total``.
+**Checks** (decode, each backend's control thread, before upstream acts on the message),
+dropped and counted by type (``stale_kv_status_dropped_total``,
+``stale_aux_data_dropped_total``, ``stale_chunk_ready_dropped_total``):
 
-State: per decode KV manager, room -> :class:`Live` (set at the reservation, dropped when the
-receiver is cleared, :func:`released`); per prefill KV manager, (room, endpoint, port) ->
-generation, bounded (:data:`MAX_ROOMS` rooms, oldest dropped: its later messages carry no
-generation and are dropped by the decode, which then fails the request at its own timeout;
-fail closed). Transitions::
+* a room whose metadata this rank has not sent (not reserved yet, or released): a Success,
+  aux data or CHUNK_READY for it cannot be for a reservation of it (upstream would conclude a
+  receiver that sent nothing, which also stops its scheduler with "Unexpected poll case", or
+  write whatever slot the aux message names). Readiness and Failed notices may precede the
+  metadata (deferred bootstrap, peer release) and change no page: upstream handles them;
+* a room for which this rank sent a generation: only a message carrying exactly that
+  generation (another one, none, a malformed one are dropped); aux data must also name the
+  reservation's own metadata slot;
+* a room whose metadata went without a generation (its prefill is a waived stock peer):
+  upstream's handling.
 
-    decode:  (none) --mint--> live(g, slot) --metadata sent--> live, expected back
-             live --receiver cleared--> (none)        live --mint (same room)--> live(g')
-    prefill: (none) --metadata(room, endpoint, g)--> known(g) --later metadata--> known(g')
+Prefill: when the decode ranks of the room's current transfer (the endpoints whose metadata the
+manager holds for it) named different generations (they broke lockstep),
+:func:`prefill_generation` refuses: the digest row is zeroed and decode refuses the transfer,
+counted in ``transfer_generation_split_total``.
 
-Invariant: while a decode rank holds a reservation whose generation it sent, no status, aux
-or chunk-ready message without that generation changes the reservation's state or its
-metadata slot; prefill tags every such message with the generation the endpoint sent for the
-room, and digests with it.
+State: per decode KV manager, room -> :class:`Live` (written when the metadata goes out,
+dropped when the receiver is cleared, :func:`released`); per receiver, the generation minted
+and the one sent; per prefill KV manager, (room, endpoint, port) -> generation, bounded
+(:data:`MAX_ROOMS` rooms, oldest dropped: its later messages carry no generation and are
+dropped by the decode, which then fails the request at its own timeout; fail closed).
+Transitions (decode, per room)::
+
+    (none) --mint--> minted(g) --metadata out--> live(g, slot, sent) | live(0, unsent)
+    minted / live --receiver cleared--> (none)      live --mint (next reservation)--> minted(g')
+
+and prefill: (none) --metadata(room, endpoint, g)--> known(g) --later metadata--> known(g').
+
+Invariant: no Success, aux data or CHUNK_READY reaches upstream for a room before this decode
+rank sent its metadata for it; while it holds a reservation whose generation it sent, no
+status, aux or chunk-ready message without that generation changes the reservation's state or
+its metadata slot; prefill tags every such message with the generation the endpoint sent for
+the room, and digests with it.
 
 What it does not cover: ABORT / ABORT_ACK keep upstream's own generation (decode mints one
 per armed deferred release, ``register_deferred_abort_room``; the quarantine releases pages
@@ -117,6 +128,7 @@ register(Protection(
 ))
 
 require(_KV_MANAGER, "pdsafe_transfer_generation_wired", "pdsafe_room_status(bootstrap_room)",
+        "pdsafe_decode_endpoints(bootstrap_room)",
         "parse_kv_status_message(msg)", "kv_status_msg_carries_reason",
         "pdsafe_note_transfer_generation(bootstrap_room, msg)",
         "pdsafe_generation_frames(bootstrap_room, endpoint, dst_port)",
@@ -179,7 +191,8 @@ def derive(*, room: int, rid: str, aux_index: int | None, page_indices: Any,
 
 @dataclass(frozen=True)
 class Live:
-    """A decode rank's current reservation of a room."""
+    """A decode rank's current reservation of a room, from the moment its metadata went out
+    (``generation`` 0 and ``sent`` False: none was sent, its prefill is a stock peer)."""
 
     generation: int
     aux_index: int | None
@@ -231,42 +244,51 @@ def mint_for_reservation(queue: Any, decode_req: Any, page_indices: Any) -> None
         rooms.rooms[room] = Live(generation, None if aux_index is None else int(aux_index))
 
 
-def receiver_generation(receiver: Any) -> int:
-    """The generation ``receiver`` minted (0: none)."""
+def _minted(receiver: Any) -> int:
+    """The generation ``receiver``'s reservation got (0: none)."""
     return int(getattr(receiver, _receiver_generation_attr(), 0) or 0)
+
+
+def receiver_generation(receiver: Any) -> int:
+    """The generation ``receiver`` sent with its metadata (0: none was sent; its prefill then
+    digests with 0 too): what ``CommonKVReceiver.pdsafe_transfer_generation`` answers and the
+    KV digest check binds on decode."""
+    return int(getattr(receiver, "_pdsafe_transfer_generation_sent", 0) or 0)
 
 
 @guarded("transfer_generation.metadata_frames", default=[], **_guard)
 def metadata_frames(receiver: Any) -> list[bytes]:
     """``CommonKVReceiver.send_metadata``: the frames appended to the metadata for the room's
     prefill: the generation frame when this rank minted one and the prefill published this
-    release's wire version, else none (then nothing is expected back)."""
+    release's wire version, else none (then nothing is expected back). Either way the room's
+    metadata is now out: from here on its prefill may send for it (before, nothing it sends
+    can be for this reservation: :func:`drops_stale_message`)."""
     from sglang.pdsafe import pair_agreement
 
-    generation = receiver_generation(receiver)
-    if not generation:
-        return []
     kv_mgr = receiver.kv_mgr
-    if pair_agreement.prefill_wire_version(kv_mgr, receiver.bootstrap_addr) != \
-            pair_agreement.WIRE_VERSION:
-        return []
     room = int(receiver.bootstrap_room)
+    generation = _minted(receiver)
+    send = bool(generation) and pair_agreement.prefill_wire_version(
+        kv_mgr, receiver.bootstrap_addr) == pair_agreement.WIRE_VERSION
     rooms = _decode_rooms(kv_mgr)
     with rooms.lock:
         live = rooms.rooms.get(room)
         if live is None or live.generation != generation:
-            return []  # cleared, or re-minted by a later reservation of the room
-        if not live.sent:
-            rooms.rooms[room] = Live(live.generation, live.aux_index, True)
+            # not minted (a backend without it, or a failed mint), or cleared: no generation
+            live = Live(0, None, False)
+            send = False
+        rooms.rooms[room] = Live(live.generation, live.aux_index, live.sent or send)
+    if not send:
+        return []
+    receiver._pdsafe_transfer_generation_sent = generation
     return [encode_frame(generation)]
 
 
 def released(receiver: Any) -> None:
     """``CommonKVReceiver._clear``: the reservation is gone; its generation stops being live
-    (only if no later reservation of the room replaced it). Never raises."""
-    generation = receiver_generation(receiver)
-    if not generation:
-        return
+    (only if no later reservation of the room replaced it; a receiver that minted none
+    drops the room's generation-less entry). Never raises."""
+    generation = _minted(receiver)
     try:
         rooms = _decode_rooms(receiver.kv_mgr)
         with rooms.lock:
@@ -279,12 +301,17 @@ def released(receiver: Any) -> None:
                      getattr(receiver, "bootstrap_room", "?"), type(e).__name__, e)
 
 
+def live_reservation(kv_mgr: Any, room: int) -> Live | None:
+    """The room's reservation on this decode rank once its metadata went out, else None."""
+    rooms = _decode_rooms(kv_mgr)
+    with rooms.lock:
+        return rooms.rooms.get(int(room))
+
+
 def expected(kv_mgr: Any, room: int) -> Live | None:
     """The room's live reservation on this decode rank if its generation was sent (then every
     message for the room must carry it), else None."""
-    rooms = _decode_rooms(kv_mgr)
-    with rooms.lock:
-        live = rooms.rooms.get(int(room))
+    live = live_reservation(kv_mgr, room)
     return live if live is not None and live.sent else None
 
 
@@ -303,17 +330,24 @@ def _drop(counter: str, kind: str, room: Any, why: str) -> bool:
     return True
 
 
-def _room_of(kv_mgr: Any, kind: str, msg: Sequence[bytes]) -> tuple[int | None, int | None]:
-    """(room, aux slot) a message is for; None when upstream's parser would drop it anyway."""
+def _parse(kv_mgr: Any, kind: str, msg: Sequence[bytes]) -> tuple[int, int | None] | None:
+    """(room, aux slot; for a KV status the status) a message is for; None when upstream's
+    parser would drop it anyway."""
     if kind == "kv_status":
         parsed = kv_mgr.parse_kv_status_message(list(msg))
-        return (None, None) if parsed is None else (int(parsed[0]), None)
+        return None if parsed is None else (int(parsed[0]), int(parsed[1]))
     try:
         room = int(bytes(msg[1]).decode("ascii"))
         slot = int(bytes(msg[3]).decode("ascii")) if kind == "aux_data" else None
     except (IndexError, ValueError, UnicodeDecodeError):
-        return None, None
+        return None
     return room, slot
+
+
+def _is_success(status: int | None) -> bool:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return status == int(KVPoll.Success)
 
 
 _COUNTERS = {"kv_status": STALE_STATUS, "aux_data": STALE_AUX, "chunk_ready": STALE_CHUNK}
@@ -325,22 +359,34 @@ def drops_stale_message(kv_mgr: Any, kind: str, msg: Sequence[bytes]) -> bool:
     ``aux_data`` or ``chunk_ready``): True when the message is dropped (counted). A failing
     check drops it (fail closed: the request then fails at its own timeout)."""
     counter = _COUNTERS[kind]
-    room, slot = _room_of(kv_mgr, kind, msg)
-    if room is None:
+    parsed = _parse(kv_mgr, kind, msg)
+    if parsed is None:
         return False  # not well-formed: upstream's own parser drops it
-    live = expected(kv_mgr, room)
+    room, detail = parsed  # detail: the aux slot, or the KV status
+    reservation = live_reservation(kv_mgr, room)
+    if reservation is None:
+        # No metadata of this decode for the room is out: nothing its prefill sends can be
+        # for a reservation of it (a Success would conclude a receiver that sent nothing, aux
+        # data would write a slot the room does not own). Readiness and Failed notices may
+        # come first (deferred bootstrap, peer release) and change no page: upstream's.
+        if kind == "aux_data":
+            held = kv_mgr.pdsafe_room_status(room) is not None
+            return _drop(counter, kind, room, "this decode holds no reservation of the room"
+                         + (" yet" if held else "") + f", so metadata slot {detail} is not its")
+        if kind == "chunk_ready" or _is_success(detail):
+            return _drop(counter, kind, room, "this decode sent no metadata for the room "
+                                              "(it was not reserved, or was released)")
+        return False
+    live = reservation if reservation.sent else None
     if live is None:
-        if kind == "aux_data" and kv_mgr.pdsafe_room_status(room) is None:
-            return _drop(counter, kind, room, "this decode holds no reservation of the room, "
-                                              f"so metadata slot {slot} is not the room's")
         return False  # no generation sent for the room (stock peer): upstream's handling
     carried = frame_generation(msg)
     if carried != live.generation:
         got = "none" if carried is None else ("malformed" if carried < 0 else str(carried))
         return _drop(counter, kind, room, f"it carries generation {got}, the room's live "
                                           f"reservation has {live.generation}")
-    if kind == "aux_data" and live.aux_index is not None and slot != live.aux_index:
-        return _drop(counter, kind, room, f"it names metadata slot {slot}, the reservation's "
+    if kind == "aux_data" and live.aux_index is not None and detail != live.aux_index:
+        return _drop(counter, kind, room, f"it names metadata slot {detail}, the reservation's "
                                           f"is {live.aux_index}")
     return False
 
@@ -410,11 +456,14 @@ def status_frames(kv_mgr: Any, room: int, endpoint: Any, port: Any, *,
 
 
 def prefill_generation(kv_mgr: Any, room: int) -> int:
-    """The generation the decode ranks of ``room`` sent (0: none sent one). Raises
-    :class:`GenerationSplitError` (counted) when they sent different ones."""
+    """The generation the decode ranks of ``room``'s current transfer sent (those whose
+    metadata the manager holds for it now: ``pdsafe_decode_endpoints``; 0: none sent one).
+    Raises :class:`GenerationSplitError` (counted) when they sent different ones."""
+    current = {(_text(e), int(p)) for e, p in kv_mgr.pdsafe_decode_endpoints(int(room))}
     state = _prefill_rooms(kv_mgr)
     with state.lock:
-        gens = set((state.rooms.get(int(room)) or {}).values())
+        targets = state.rooms.get(int(room)) or {}
+        gens = {g for key, g in targets.items() if key in current}
     if len(gens) > 1:
         metrics.inc(SPLIT)
         raise GenerationSplitError(
