@@ -28,14 +28,16 @@ CONNECT_TIMEOUT_S = 10.0
 
 
 def greedy_payload(input_ids: Sequence[int], max_new_tokens: int, *, stream: bool = False,
-                   **extra: Any) -> dict[str, Any]:
-    """A greedy /generate body by token ids (``ignore_eos``: fixed answer length)."""
-    body: dict[str, Any] = {
-        "input_ids": list(input_ids),
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
-                            "ignore_eos": True},
-        "stream": stream,
-    }
+                   n: int = 1, **extra: Any) -> dict[str, Any]:
+    """A greedy /generate body by token ids (``ignore_eos``: fixed answer length). ``n`` > 1:
+    parallel sampling (``sampling_params.n``); a server answers a list of ``n`` samples, which
+    ``send`` keeps as ``Answer.samples``; greedy, every sample is the single greedy answer."""
+    sp: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+                          "ignore_eos": True}
+    if n != 1:
+        sp["n"] = n
+    body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sp,
+                            "stream": stream}
     body.update(extra)
     return body
 
@@ -53,6 +55,10 @@ def _abort_of(body: Any) -> tuple[bool, str]:
 def _parse(status: int, body: Any) -> Answer:
     if status != 200:
         return Answer(status=status, message=error_message(body) if body not in (None, "") else "")
+    if isinstance(body, list):
+        # One entry per sample (n>1) or per prompt of a batch: each parsed on its own and
+        # judged on its own (``outcomes.per_sample``).
+        return Answer(status=200, samples=[_parse(200, b) for b in body])
     if not isinstance(body, dict):
         return Answer(status=200, message="", transport_error=f"non-JSON 200 body: {body!r:.200}")
     abort, msg = _abort_of(body)
@@ -107,6 +113,9 @@ def send(url: str, payload: dict[str, Any], *, bound_s: float, path: str = "/gen
     parse = _parse_chat if path == CHAT_PATH else _parse
     if stream and path == CHAT_PATH:
         raise ValueError("streaming chat requests are not supported by the benchmark client")
+    if stream and (payload.get("sampling_params") or {}).get("n", 1) != 1:
+        raise ValueError("streamed parallel sampling (n>1) is not supported by the benchmark "
+                         "client (its chunks interleave the samples)")
     t0 = time.monotonic()
     try:
         if not stream:

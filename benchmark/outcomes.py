@@ -17,6 +17,16 @@ same prompt (the content oracle, ``pdsafe_testkit.oracle``), never on its status
 ``broken``          no usable answer and no reason: the connection failed or was reset, or a
                     non-200 without any message.
 
+**List answers** (``n>1`` parallel sampling: a 200 whose body is a list, ``Answer.samples``):
+every sample is judged on its own against the same reference answer (greedy sampling, so each
+of the ``n`` samples must equal the single request's greedy answer token for token).
+``per_sample`` splits such an answer into one answer per sample, padded with a ``broken``
+answer for each sample asked for but missing; the benchmark records one ``RequestRecord`` per
+sample (so ``sent`` counts judged answers: a list answer counts its samples). ``classify`` on
+an unsplit list answer returns the worst of its samples' outcomes (``SEVERITY``), naming the
+sample; it is never ``identical`` unless every sample is. An error, a hang or a refusal is one
+answer for the whole request.
+
 Invariant: the classifier never returns ``identical`` for content that differs from the
 reference, and never returns ``leak`` for a non-200 answer.
 """
@@ -58,17 +68,48 @@ class Answer:
     itl_s: list[float] = field(default_factory=list)
     finish_reason: Any = None
     prompt_ids: list[int] | None = None  # the prompt as the server tokenized it, when it says
+    # A 200 answer whose body was a list (n>1 samples): one Answer per sample, in order.
+    samples: list[Answer] | None = None
 
     @property
     def ok(self) -> bool:
         return self.status == 200 and not self.in_band_abort and not self.timed_out
 
 
+#: Worst first: the outcome an unsplit list answer gets is that of its worst sample.
+SEVERITY = (Outcome.LEAK, Outcome.HANG, Outcome.BROKEN, Outcome.EXPLICIT_ERROR,
+            Outcome.UNPROVEN, Outcome.IDENTICAL)
+
+
+def _is_list(answer: Answer) -> bool:
+    return answer.samples is not None and answer.status == 200 and not answer.timed_out
+
+
+def per_sample(answer: Answer, n: int = 1) -> list[Answer]:
+    """The answers to judge for one request that asked for ``n`` samples: each sample of a 200
+    list answer, else the answer itself; a 200 (list or not, no in-band abort) with fewer than
+    ``n`` samples is padded with a no-reason answer per missing sample (``broken``: the client
+    lost it without being told). An error, a refusal or a hang stays one answer."""
+    if _is_list(answer):
+        got = list(answer.samples or [])
+    elif answer.ok:
+        got = [answer]
+    else:
+        return [answer]
+    for i in range(len(got), n):
+        got.append(Answer(status=None, transport_error=f"sample {i + 1} of the {n} asked for "
+                                                       f"is missing from the 200 answer "
+                                                       f"({len(got)} samples)",
+                          e2e_s=answer.e2e_s))
+    return got
+
+
 def classify(answer: Answer, expected: Sequence[int] | None) -> tuple[Outcome, str]:
     """(outcome, detail) of ``answer`` against the reference answer ``expected``.
 
     ``expected`` None means the reference itself failed for this prompt: a 200 answer can then
-    not be judged and is reported as ``broken`` with that reason (never as identical)."""
+    not be judged and is reported as ``broken`` with that reason (never as identical). A list
+    answer (``samples``) gets its worst sample's outcome (see the module doc)."""
     if answer.timed_out:
         return Outcome.HANG, "no answer within the bound"
     if answer.status is None:
@@ -77,6 +118,15 @@ def classify(answer: Answer, expected: Sequence[int] | None) -> tuple[Outcome, s
         if answer.message.strip():
             return Outcome.EXPLICIT_ERROR, f"HTTP {answer.status}: {answer.message[:300]}"
         return Outcome.BROKEN, f"HTTP {answer.status} without a reason"
+    if answer.samples is not None:
+        if not answer.samples:
+            return Outcome.LEAK, "HTTP 200 with an empty list of samples"
+        judged = [classify(s, expected) for s in answer.samples]
+        i = min(range(len(judged)), key=lambda k: SEVERITY.index(judged[k][0]))
+        worst, detail = judged[i]
+        if worst is Outcome.IDENTICAL:
+            return worst, ""
+        return worst, f"sample {i + 1} of {len(judged)}: {detail}"
     if answer.in_band_abort:
         if answer.message.strip():
             return Outcome.EXPLICIT_ERROR, f"in-band abort: {answer.message[:300]}"

@@ -47,6 +47,7 @@ from benchmark.outcomes import (
     RequestRecord,
     apply_evidence,
     classify,
+    per_sample,
 )
 from benchmark.targets import (
     CHAT_SUFFIX,
@@ -244,8 +245,9 @@ class Ctx:
         """Judge jobs whose ``answer`` is already set (sent by the caller, e.g. a scenario's
         own choreography), record the phase, charge unproven transfers against the counters
         moved since ``before`` (read on ``prefill_urls``, default the target's prefill)."""
-        recs = [self._judge(name, j, j.answer or Answer(status=None, transport_error="not sent"))
-                for j in jobs]
+        recs = [r for j in jobs
+                for r in self._judge(name, j, j.answer or Answer(status=None,
+                                                                 transport_error="not sent"))]
         n_ident = sum(r.outcome is Outcome.IDENTICAL for r in recs)
         delta = self._await_evidence(before, n_ident, prefill_urls)
         short = apply_evidence(recs, delta.proven) if judge else 0
@@ -265,10 +267,20 @@ class Ctx:
                 return delta
             time.sleep(0.25)
 
-    def _judge(self, phase: str, job: Job, ans: Answer) -> RequestRecord:
+    def _judge(self, phase: str, job: Job, ans: Answer) -> list[RequestRecord]:
+        """One record per answer to judge: the answer, or each of the ``job.side["n"]``
+        samples a parallel-sampling request asked for (``outcomes.per_sample``; labelled
+        ``LABEL#i``), each against the same reference answer."""
+        answers = per_sample(ans, int(job.side.get("n", 1)))
+        if ans.samples is None and len(answers) == 1:  # one answer for the whole request
+            return [self._judge_one(phase, job, ans, job.label)]
+        return [self._judge_one(phase, job, a, f"{job.label}#{i}")
+                for i, a in enumerate(answers)]
+
+    def _judge_one(self, phase: str, job: Job, ans: Answer, label: str) -> RequestRecord:
         expected = self.ref.expected(job.prompt, job.max_new)
         outcome, detail = classify(ans, expected)
-        rec = RequestRecord(job.label, job.path, len(job.prompt), job.max_new, outcome, detail,
+        rec = RequestRecord(label, job.path, len(job.prompt), job.max_new, outcome, detail,
                             ans.status, job.canary, phase=phase, e2e_s=ans.e2e_s,
                             output_head=list(ans.output_ids[:24]),
                             expected_head=list((expected or [])[:24]))
@@ -502,6 +514,48 @@ def room_replay(ctx: Ctx) -> None:
         ctx.run_phase(f"first-{i}", [ctx.direct(f"replay-{i}a", a, canary=owner_a, room=room)])
         owner_b, b = ctx.canary(f"replay-{i}b", ctx.rng.randint(48, max(64, min(limit - 1, 200))))
         ctx.run_phase(f"replay-{i}", [ctx.direct(f"replay-{i}b", b, canary=owner_b, room=room)])
+    _after(ctx, ctx.knobs.victims, limit)
+
+
+#: Samples asked for per parallel-sampling request of ``room-n-greater-1`` (cycled).
+N_SAMPLES = (2, 3, 4)
+
+
+def room_n_greater_1(ctx: Ctx) -> None:
+    """Parallel sampling on PD: ``/generate`` with ``sampling_params.n`` 2, 3, 4 (cycled,
+    greedy), alternately through the router and directly to both legs with one bootstrap room
+    per request, after victims, with as many normal canary requests at the same time, then
+    normal requests.
+
+    Upstream's tokenizer manager turns an ``n>1`` request into a prefix-cache request
+    (``max_new_tokens`` 0) and then ``n`` samples, each sent with the request's one
+    ``bootstrap_room`` on both legs (sgl-project/sglang #26486, #40297): ``n+1`` transfers
+    share one room's state by construction (a crash, a hang, or a sample decoded over pages
+    another sample's transfer wrote). A 200 answer is a list of ``n`` samples, each judged
+    against the co-located reference's single greedy answer for the prompt (temperature 0:
+    every sample must equal it token for token; ``outcomes.per_sample``, one record per
+    sample, a sample missing from the list is broken). A leak: a sample that differs from the
+    reference (the canary names whose KV it was decoded over); a hang: no answer within the
+    bound. Expected of the fork: an explicit 400 (``n>1`` refused in PD mode, room guard) and
+    the normal requests identical. Probes UPSTREAM-GAPS 2 (room ids client or router
+    supplied, no generation on KV_STATUS / aux data).
+    """
+    limit, _ = _pair_limit(ctx)
+    _victims(ctx, ctx.knobs.victims, min(limit - 1, 160))
+    t = ctx.target
+    jobs = []
+    for i in range(ctx.knobs.attacks):
+        n = N_SAMPLES[i % len(N_SAMPLES)]
+        label = f"n{n}-{i}"
+        owner, p = ctx.canary(label, ctx.rng.randint(48, max(64, min(limit - 1, 160))))
+        via_router = bool(t.router_url) and i % 2 == 0
+        job = (ctx.via_router(label, p, canary=owner, n=n) if via_router
+               else ctx.direct(label, p, canary=owner, n=n))
+        job.side["n"] = n
+        jobs.append(job)
+    normals = _normals(ctx, "during", ctx.knobs.attacks, limit)
+    ctx.run_phase("parallel-sampling", jobs + normals, concurrency=len(jobs) + len(normals))
+    ctx.notes.append("asked n = " + ", ".join(f"{j.label} {j.path}" for j in jobs))
     _after(ctx, ctx.knobs.victims, limit)
 
 
@@ -1496,12 +1550,12 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("crash-prefill-mid-transfer", "crash", "late_write", crash_prefill_mid_transfer,
              in_quick=False),
     *(_corruption_scenario(what) for what in CORRUPTIONS),
-    _planned("room-n-greater-1", "room",
-             "n>1 sampling in PD mode: several samples share one bootstrap room. A leak: a "
-             "sample decodes over another sample's or request's pages.", "ownership",
-             reason="needs the ownership stage's per-request generation to tell the samples' "
-                    "transfers apart, and a sampling-aware reference (n greedy samples); "
-                    "not implemented yet"),
+    # Last in the registry (after the default stack's other scenarios): it takes a stock decode
+    # down (measured, docs/benchmark.md), and the stack is then restarted only if another
+    # scenario needs it. Full matrix only: --quick's margin, and room-duplicate-concurrent shows
+    # the same stock crash there.
+    Scenario("room-n-greater-1", "room", "default", room_n_greater_1, deployment_ok=True,
+             known_unsafe_upstream=True, in_quick=False),
 )}
 
 

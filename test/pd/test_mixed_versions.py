@@ -1,4 +1,5 @@
-"""Mixed fork/stock PD pairs, as during a rolling upgrade (issue 11, item 2; first slice).
+"""Mixed fork/stock PD pairs, and fork/fork pairs of two releases, as during a rolling upgrade
+(issue 11, items 2 and 3).
 
 The stock leg is the pinned upstream 0.5.23 plus only the CPU-enablement patches 0001-0003 (the
 benchmark's base tree, ``benchmark.base_tree``), run with ``PYTHONPATH`` pointing at that tree;
@@ -27,12 +28,29 @@ so a pair can never silently be fork/fork.
   (``coverage_waived``) and every transfer it decoded without a KV digest
   (``kv_digest_waived``).
 
-What this does not cover: fork/fork of another release over the KV wire (no test-only knob
-makes a server publish another wire version). Pair agreement refuses another wire version at
-bootstrap (``test/unit/test_peer_policy.py``, on the real pairing step); the prefill refuses a
-decode that announced another wire version, even under the waiver, and a decode never
-announces itself to a prefill of another version (``test/unit/test_peer_capability.py``, on
-each backend's real bootstrap loop).
+Fork/fork of another release (issue 11, item 3): one leg runs with the test-only fault
+``SGLANG_PDSAFE_TEST_FAULTS=wire_version:sglang-pdsafe-pair/2`` (``pdsafe_testkit.faults``),
+so that server publishes, announces and requires the previous release's wire version, as a
+fork of that release does; ``/server_info`` still reports this build, so both legs are checked
+to be the fork. The decode compares the wire version the prefill published with its own when
+it pairs, before it announces itself or sends any metadata, so it refuses in both directions:
+
+* **prefill of another release, fork decode**: every request fails at once on both legs with
+  the decode's refusal naming both versions (``wire_version: prefill='sglang-pdsafe-pair/2',
+  decode='sglang-pdsafe-pair/3'``), never a hang and never an HTTP 200; the decode counts the
+  prefill once (``pair_setting_mismatch``); the prefill refuses nothing (it never gets a
+  decode's metadata); both servers keep running.
+* **fork prefill, decode of another release**: the same, with the versions the other way
+  round (``prefill='sglang-pdsafe-pair/3', decode='sglang-pdsafe-pair/2'``).
+
+Pairing is refused over HTTP before either KV backend moves a byte, so these run on Mooncake
+only unless ``PDSAFE_FULL_BACKENDS=all`` (``pdsafe_testkit.backends.ci_backends``).
+
+What this does not cover: a fork prefill's own refusal of a decode that announced another wire
+version over the KV wire (the decode refuses that prefill first, at pairing); that path, even
+under the waiver, and that a decode never announces itself to a prefill of another version are
+covered in ``test/unit/test_peer_capability.py`` (on each backend's real bootstrap loop); pair
+agreement's refusal on the real pairing step in ``test/unit/test_peer_policy.py``.
 """
 
 from __future__ import annotations
@@ -42,7 +60,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pdsafe_testkit.backends import BACKENDS
+import requests
+from pdsafe_testkit.backends import BACKENDS, ci_backends
 from pdsafe_testkit.metrics import metric_total
 from pdsafe_testkit.oracle import Oracle, random_prompt
 from pdsafe_testkit.servers import (
@@ -54,6 +73,7 @@ from pdsafe_testkit.servers import (
     generate,
     pd_stack,
 )
+from sglang.pdsafe.pair_agreement import WIRE_VERSION
 
 pytestmark = pytest.mark.server
 
@@ -79,7 +99,8 @@ def _cfg(role: str, model_path: Path, env: dict[str, str] | None = None) -> Serv
                         context_length=CONTEXT, env=dict(env or {}))
 
 
-def _assert_versions(st: PDStack, stock: str) -> None:
+def _assert_versions(st: PDStack, stock: str | None) -> None:
+    """``stock``: the leg that must run the stock build (None: both run the fork)."""
     for side, server in (("prefill", st.prefill), ("decode", st.decode)):
         version = str(server.server_info().get("version", ""))
         is_fork = "+pdsafe" in version
@@ -214,3 +235,84 @@ def test_fork_prefill_stock_decode_served_under_the_waiver(stock_decode_waived: 
     # The router's start-up probe was this decode's first request: counted then, never again.
     assert metric_total(st.prefill.url, "sglang:pdsafe_stock_decode_served_total") == 1, (
         "the stock decode served under the waiver must be counted once (one decode rank)")
+
+
+#: The wire version of the previous sglang-pdsafe release (before transfer generations).
+OTHER_RELEASE = "sglang-pdsafe-pair/2"
+#: Makes one server speak ``OTHER_RELEASE`` (test-only fault, ``pdsafe_testkit.faults``).
+OTHER_RELEASE_ENV = {"SGLANG_PDSAFE_TEST_FAULTS": f"wire_version:{OTHER_RELEASE}"}
+
+
+def _other_release_stack(backend: str, log_dir: Path, model_path: Path, *,
+                         other: str) -> Iterator[PDStack]:
+    """A fork/fork pair whose ``other`` leg speaks ``OTHER_RELEASE``. No router (it waits for
+    a served request before it counts as started, and this pair serves none)."""
+    envs = {other: OTHER_RELEASE_ENV}
+    with pd_stack(backend, log_dir,
+                  prefill=_cfg("prefill", model_path, envs.get("prefill")),
+                  decode=_cfg("decode", model_path, envs.get("decode")),
+                  with_router=False) as st:
+        _assert_versions(st, stock=None)
+        server = st.prefill if other == "prefill" else st.decode
+        assert f"wire version {OTHER_RELEASE} instead of this release's {WIRE_VERSION}" in \
+            server.process.log_text(), f"the {other} did not arm wire_version"
+        yield st
+
+
+#: Function-scoped: one test each, torn down right after it (the module's other stacks stay).
+@pytest.fixture(params=ci_backends())
+def other_release_prefill(request, log_dir: Path, model_path: Path) -> Iterator[PDStack]:
+    yield from _other_release_stack(request.param, log_dir, model_path, other="prefill")
+
+
+@pytest.fixture(params=ci_backends())
+def other_release_decode(request, log_dir: Path, model_path: Path) -> Iterator[PDStack]:
+    yield from _other_release_stack(request.param, log_dir, model_path, other="decode")
+
+
+def _assert_refused_at_pairing(st: PDStack, model_path: Path, *, prefill_version: str,
+                               decode_version: str, seed: int) -> None:
+    """Every request fails at once on both legs with the decode's pairing refusal naming both
+    wire versions (each as its leg's); the decode counts it once, the prefill refuses nothing
+    (no decode metadata reaches it); both servers keep running."""
+    named = f"wire_version: prefill={prefill_version!r}, decode={decode_version!r}"
+    mismatch0 = metric_total(st.decode.url, MISMATCH_COUNTER)
+    refused0 = metric_total(st.prefill.url, REFUSED_COUNTER)
+    rng = random.Random(seed)
+    for i in range(3):
+        ids = random_prompt(rng, rng.randint(20, 120), model_path)
+        p, d = direct_pd_generate(st, ids, MAX_NEW, timeout=BOUND_S)
+        what = (f"{st.backend} prefill {prefill_version} + decode {decode_version}, "
+                f"request {i}")
+        for side, r in (("decode", d), ("prefill", p)):
+            assert r.status != 200 and not r.output_ids, f"{what}: the {side} served: {r}"
+            msg = r.error_message
+            assert named in msg and "refuses to pair with the prefill" in msg \
+                    and "run the same sglang-pdsafe release on both servers" in msg, (
+                f"{what}: the {side}'s error does not name both wire versions: {msg}")
+    assert metric_total(st.decode.url, MISMATCH_COUNTER) == mismatch0 + 1, (
+        "the refused prefill must be counted once, however many requests name it")
+    assert metric_total(st.prefill.url, REFUSED_COUNTER) == refused0, (
+        "the decode refuses at pairing: no metadata may reach the prefill")
+    for side in (st.prefill, st.decode):
+        assert side.process.alive(), f"{side.config.role} died"
+        assert requests.get(side.url + "/health", timeout=30).status_code == 200, (
+            f"{side.config.role} is not healthy after the refusals")
+
+
+def test_other_release_prefill_fork_decode_refused_at_pairing(other_release_prefill: PDStack,
+                                                              model_path):
+    """A fork prefill of the previous release (wire version /2) and this release's decode."""
+    _assert_refused_at_pairing(other_release_prefill, model_path,
+                               prefill_version=OTHER_RELEASE, decode_version=WIRE_VERSION,
+                               seed=1105)
+
+
+def test_fork_prefill_other_release_decode_refused_at_pairing(other_release_decode: PDStack,
+                                                              model_path):
+    """This release's prefill and a fork decode of the previous release (wire version /2):
+    the decode of the other release refuses this prefill at pairing, before it would
+    announce itself (so the prefill's own check of announced versions never runs)."""
+    _assert_refused_at_pairing(other_release_decode, model_path,
+                               prefill_version=WIRE_VERSION, decode_version=OTHER_RELEASE,
+                               seed=1106)

@@ -15,7 +15,7 @@ import pytest
 from benchmark import report as rpt
 from benchmark.outcomes import Outcome, RequestRecord
 from benchmark.overhead import Burst, percentile, summarize
-from benchmark.scenarios import SCENARIOS, applicable, select
+from benchmark.scenarios import SCENARIOS, _planned, applicable, select
 
 
 def _rec(label: str, outcome: Outcome, **kw) -> RequestRecord:
@@ -33,15 +33,20 @@ def _cells(fork_leak: bool = False) -> list[rpt.Cell]:
                              _rec("spoof-host-0", Outcome.LEAK if fork_leak
                                   else Outcome.EXPLICIT_ERROR)],
                     reservations={"pages_reserved": 3, "requests_parked": 1})
-    ni = [rpt.Cell("room-n-greater-1", "room", "mooncake", 1, v,
+    ni = [rpt.Cell(PLANNED.name, "room", "mooncake", 1, v,
                    status="not_implemented", reason="needs the ownership stage's fault hook")
           for v in ("base", "fork")]
     return [base, fork, *ni]
 
 
+#: A registered, not implemented scenario (the registry has none at the moment).
+PLANNED = _planned("room-planned", "room", "a planned scenario: its doc says what a leak is",
+                   "ownership")
+
+
 def _scen() -> dict[str, dict]:
-    return {n: SCENARIOS[n].describe() for n in ("spoof-fake-bootstrap-host",
-                                                  "room-n-greater-1")}
+    return {"spoof-fake-bootstrap-host": SCENARIOS["spoof-fake-bootstrap-host"].describe(),
+            PLANNED.name: PLANNED.describe()}
 
 
 def test_report_json_schema_and_files(tmp_path: Path) -> None:
@@ -61,13 +66,13 @@ def test_report_json_schema_and_files(tmp_path: Path) -> None:
     assert spoof["base"]["leak_details"][0]["content_from"] == ["victim-0"]
     assert spoof["fork"]["explicit_errors"] == 1 and spoof["fork"]["leaks"] == 0
     assert spoof["fork"]["pages_reserved_after"] == 3
-    ni = [c for c in data["results"] if c["scenario"] == "room-n-greater-1"]
+    ni = [c for c in data["results"] if c["scenario"] == PLANNED.name]
     assert {c["variant"] for c in ni} == {"base", "fork"}
     assert all(c["status"] == "not_implemented" and c["reason"] for c in ni)
     assert data["summary"]["exit_status"] == 0
     assert data["summary"]["base_shows_bug_in"] == [
         "spoof-fake-bootstrap-host [mooncake, page 1, base]"]
-    assert data["summary"]["not_implemented"] == ["room-n-greater-1"]
+    assert data["summary"]["not_implemented"] == [PLANNED.name]
     md = (tmp_path / "report.md").read_text()
     assert "| spoof-fake-bootstrap-host |" in md and "**1 leak**" in md and "n/i" in md
     assert "victim-0 x16" in md

@@ -21,7 +21,7 @@ from benchmark import client
 from benchmark.canary import owner_of
 from benchmark.outcomes import Outcome, classify
 from benchmark.regression import parse_args
-from benchmark.scenarios import FULL_ONLY, SCENARIOS, SMOKE_SCENARIOS, applicable
+from benchmark.scenarios import FULL_ONLY, SCENARIOS, SMOKE_SCENARIOS, _planned, applicable
 from benchmark.targets import (
     CHAT_SUFFIX,
     CTX_DIV_PREFILL_CONTEXT,
@@ -114,7 +114,7 @@ def test_quick_leaves_full_only_scenarios_to_the_full_matrix() -> None:
     assert applicable(s, deployment=False) == (True, "")
     ok, why = applicable(s, deployment=False, quick=True)
     assert not ok and why == FULL_ONLY
-    planned = SCENARIOS["room-n-greater-1"]
+    planned = _planned("planned-x", "room", "a scenario registered before it runs", "ownership")
     assert applicable(planned, deployment=False, quick=True) == (False, planned.reason)
     assert parse_args(["--quick", "--scenarios", "divergence-chat-template"]).scenarios_named
     assert not parse_args(["--quick"]).scenarios_named

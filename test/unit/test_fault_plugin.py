@@ -17,7 +17,13 @@ import subprocess
 import sys
 
 import pytest
-from pdsafe_testkit.faults import parse_park_commit, parse_park_log
+from pdsafe_testkit.faults import (
+    parse_park_commit,
+    parse_park_log,
+    parse_spec,
+    parse_wire_version,
+)
+from sglang.pdsafe.pair_agreement import WIRE_VERSION
 
 FAULT_ENV = "SGLANG_PDSAFE_TEST_FAULTS"
 
@@ -306,3 +312,113 @@ def test_armed_park_commit_holds_only_its_rids_finished_transfers_and_ends_on_ab
     assert events == [("parked", "a", "Success", 0.0), ("parked", "b", "Success", 0.0),
                       ("released", "a", "Success", 1.0), ("left", "b", "Failed", 0.5),
                       ("parked", "c", "Success", 0.0)], log[-3000:]
+
+
+def test_wire_version_spec_parsing() -> None:
+    """``wire_version:VERSION`` arms beside the other faults with a pdsafe wire version of
+    another release; a missing, malformed or this release's own version is an error, never a
+    silently unarmed server (nor one that pretends nothing)."""
+    assert "wire_version" in parse_spec("wire_version:sglang-pdsafe-pair/2")
+    assert parse_wire_version("wire_version:sglang-pdsafe-pair/2") == "sglang-pdsafe-pair/2"
+    assert parse_wire_version("kv_corrupt, wire_version: sglang-pdsafe-pair/17 ") == \
+        "sglang-pdsafe-pair/17"
+    assert parse_wire_version("kv_corrupt,park_commit:1") == ""
+    for bad in ("wire_version", "wire_version:", "wire_version:2", "wire_version:/2",
+                "wire_version:sglang-pdsafe-pair/", "wire_version:sglang-pdsafe-pair/0",
+                "wire_version:sglang-pdsafe-pair/02", "wire_version:sglang-pdsafe-pair/2x",
+                "wire_version:sglang-pdsafe-pair/-1", "wire_version:sglang-pdsafe-pair/two",
+                "wire_version:SGLANG-PDSAFE-PAIR/2", "wire_version:sglang-pdsafe/2",
+                "wire_version:sglang-pdsafe-pair/2/3"):
+        with pytest.raises(ValueError, match="wire_version needs .*sglang-pdsafe-pair/N"):
+            parse_wire_version(bad)
+    with pytest.raises(ValueError, match="this release's own wire version"):
+        parse_wire_version(f"wire_version:{WIRE_VERSION}")
+    with pytest.raises(ValueError, match="named twice"):
+        parse_wire_version("wire_version:sglang-pdsafe-pair/2,wire_version:sglang-pdsafe-pair/1")
+
+
+WIRE = r"""
+import json, logging, sys
+from types import SimpleNamespace
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from sglang.pdsafe import pair_agreement, peer_capability
+from sglang.srt.plugins import load_plugins
+
+own = pair_agreement.WIRE_VERSION
+load_plugins()
+
+class Mgr:  # a decode KV manager that paired with two prefills (one per version)
+    def pdsafe_decode_identity(self):
+        return "decode-1"
+
+mgr = Mgr()
+for addr, version in (("p-own:1", own), ("p-armed:1", pair_agreement.WIRE_VERSION)):
+    pair_agreement._remember_published(
+        mgr, addr, {"pdsafe_pair": {"wire_version": version}})
+settings = pair_agreement.local_settings(SimpleNamespace(), SimpleNamespace())
+prefill = pair_agreement.PairSettings.from_wire({**settings.to_wire(), "wire_version": own})
+print(json.dumps({
+    "own": own, "now": pair_agreement.WIRE_VERSION, "capability": peer_capability._wire_version(),
+    "published": settings.wire_version,
+    "mismatch": [str(m) for m in pair_agreement.compare(prefill, settings)],
+    "announce_own": peer_capability.announce_frames(mgr, "p-own:1") is not None,
+    "announce_armed": [f.decode() for f in peer_capability.announce_frames(mgr, "p-armed:1")],
+    "refusal": peer_capability.refusal_message("decode-2", "127.0.0.1", 1, own),
+}))
+"""
+
+
+def test_armed_wire_version_makes_every_reader_speak_the_other_release():
+    """``wire_version`` through sglang's plugin loader: every reader of the fork's own wire
+    version sees VERSION (the pair settings a prefill publishes and a decode compares, what a
+    decode announces and to whom, what a prefill requires), read at call time, not at import."""
+    other = "sglang-pdsafe-pair/2"
+    out, log = _run(WIRE, **{FAULT_ENV: f"wire_version:{other}"})
+    assert "TEST FAULT ARMED" in log and other in log, log[-3000:]
+    assert (out["own"], out["now"], out["capability"], out["published"]) == \
+        (WIRE_VERSION, other, other, other)
+    assert out["mismatch"] == [f"wire_version: prefill={WIRE_VERSION!r}, decode={other!r}"]
+    # Announced only to a prefill that published the armed version, and as that version.
+    assert out["announce_own"] is False
+    assert out["announce_armed"] == ["PDSAFE_PEER", other, "decode-1"]
+    # A prefill of the armed version refuses a decode that announced this release's version.
+    assert f"wire version {other}" in out["refusal"]
+    assert f"announced wire version {WIRE_VERSION!r}" in out["refusal"]
+
+
+def test_malformed_wire_version_arms_nothing_and_says_why():
+    """A malformed VERSION: sglang's loader logs the plugin's ValueError; the process keeps
+    this release's wire version (the test that asked for another one then fails visibly)."""
+    out, log = _run(WIRE, **{FAULT_ENV: "wire_version:sglang-pdsafe-pair/x"})
+    assert "wire_version needs a pdsafe wire version" in log, log[-3000:]
+    assert "TEST FAULT ARMED" not in log
+    assert out["now"] == out["published"] == WIRE_VERSION
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_stale_status_messages_parse_as_the_backends_status_for_their_room(backend) -> None:
+    """``stale_status`` speaks the backend's own status format: the decode's real parser reads
+    each message as a status of the room (Failed, Failed, Success), and the generation frame
+    (none, another one) comes last, where the decode's transfer-generation check reads it."""
+    from pdsafe_testkit.faults import (
+        STALE_GENERATION_FRAME,
+        STALE_LOG,
+        StaleStatus,
+        is_stale_room,
+        stale_room,
+    )
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from .test_peer_release_backends import _backend_managers
+
+    assert "stale_status" in parse_spec("stale_status,kv_corrupt")
+    room = stale_room(7)
+    assert is_stale_room(room) and not is_stale_room(room - 8) and not is_stale_room("x")
+    m = object.__new__(_backend_managers()[backend])
+    m.attn_tp_rank, m.pp_rank, m.attn_cp_rank, m.pp_size, m.attn_cp_size = 0, 0, 0, 1, 1
+    got = [(name, m.parse_kv_status_message(parts), parts[-1])
+           for name, parts in StaleStatus.messages(m, room)]
+    assert [(p[0], p[1]) for _, p, _ in got] == [
+        (room, int(KVPoll.Failed)), (room, int(KVPoll.Failed)), (room, int(KVPoll.Success))]
+    assert all(p[3] and p[3].startswith(STALE_LOG) for _, p, _ in got[:2]), got
+    assert [last == STALE_GENERATION_FRAME for _, _, last in got] == [False, True, True]

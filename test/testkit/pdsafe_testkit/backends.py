@@ -44,8 +44,9 @@ SECONDARY_BACKENDS_ENV = "PDSAFE_FULL_BACKENDS"
 def ci_backends(env: str = SECONDARY_BACKENDS_ENV) -> tuple[str, ...]:
     """The backends a server test whose logic does not depend on the backend's wire format runs
     on: Mooncake by default (CI time on 2 cores), every backend with ``PDSAFE_FULL_BACKENDS=all``
-    (or a comma-separated list). Wire-level tests (content, peer release, mixed versions, the KV
-    harness) always parametrize over ``BACKENDS`` instead."""
+    (or a comma-separated list). Wire-level tests (content, peer release, stock/fork mixed
+    versions, the KV harness) always parametrize over ``BACKENDS`` instead; the fork/fork
+    other-release tests use this list (the pairing refuses over HTTP, before any KV traffic)."""
     import os
 
     raw = os.environ.get(env, "").strip()

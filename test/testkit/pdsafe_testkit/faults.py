@@ -11,7 +11,8 @@ server flag); the value is comma-separated ``name[:arg]`` items, each one fault.
 :func:`register` installs nothing. Armed, it registers the named faults' hooks with
 ``sglang.srt.plugins.hook_registry.HookRegistry``. Even armed, a fault only touches requests
 whose rid (``foreign_kv``) or bootstrap room (``late_write``) is reserved for it, so an armed
-test server still serves every other request normally.
+test server still serves every other request normally; the one exception is ``wire_version``,
+which makes the whole server speak as another release (see below).
 
 ``foreign_kv`` hooks (``BEFORE``) the product's decode commit gate,
 ``sglang.pdsafe.commit_gate.admit_commit(transfer_queue, decode_req)``, so the fault acts right
@@ -76,6 +77,30 @@ so it sees the hooked function.
     :func:`parse_park_log`. The poll list is rank-local after the ranks' all-reduce, so the
     fault is meant for single-rank decodes (the harness's).
 
+``SGLANG_PDSAFE_TEST_FAULTS=wire_version:VERSION`` (either role: a fork of another release)
+    When the plugin loads (early in every server process, before the scheduler builds its KV
+    manager), ``sglang.pdsafe.pair_agreement.WIRE_VERSION`` is set to VERSION in that process,
+    so the server speaks as an sglang-pdsafe release of that wire version everywhere the fork
+    reads its own version (each reader looks it up at call time): the pair settings a prefill
+    publishes and a decode compares (``pair_agreement.local_settings`` / ``published`` /
+    ``compare``), the version a decode announces and the prefills it announces to, and the
+    version a prefill requires of a decode (``peer_capability``), and the prefills a decode
+    sends the transfer generation to (``transfer_generation.metadata_frames``). VERSION must
+    be ``sglang-pdsafe-pair/N`` (N a positive integer) and not this release's own version
+    (that would pretend nothing); anything else is a ``ValueError``. Logged once per process
+    (``TEST FAULT ARMED``). No hook is registered: only the version changes, so the pair is
+    refused exactly as by a real fork of another release (``test/pd/test_mixed_versions.py``).
+
+``SGLANG_PDSAFE_TEST_FAULTS=stale_status`` (a prefill-side fault, issue 9's generations)
+    Every decode metadata message passes the prefill's ``pdsafe_refuses_decode`` (patch 0022)
+    before the prefill stores it; an ``AFTER`` hook of it, for a bootstrap room in
+    ``[STALE_ROOM_BASE, STALE_ROOM_BASE + ROOM_RANGE_WIDTH)`` whose metadata the prefill keeps,
+    first sends that decode endpoint (on the prefill's own status channel, in the backend's
+    own status format) what an earlier transfer of the same room could still have in flight:
+    ``Failed`` without a transfer generation, ``Failed`` and ``Success`` with another generation
+    (``STALE_GENERATION_FRAME``). Then the real transfer runs. Logged (``STALE_LOG``) with the
+    room and the messages sent. Every other room is untouched.
+
 Only public sglang API is used: the scheduler's ``req_to_token_pool.req_to_token`` table, the
 KV pool's ``get_key_buffer``/``get_value_buffer``/``start_layer``/``layer_num``, and the
 ``HookRegistry`` of the plugin framework; ``late_write`` also reads the calling
@@ -120,7 +145,8 @@ POSTCHECK_TARGET = ("sglang.srt.disaggregation.decode_schedule_batch_mixin."
                     "ScheduleBatchDisaggregationDecodeMixin.process_prebuilt")
 DEFAULT_FOREIGN_KV = 16
 #: Fault names ``SGLANG_PDSAFE_TEST_FAULTS`` may name (anything else is refused).
-KNOWN_FAULTS = ("foreign_kv", "late_write", "kv_corrupt", "park_commit")
+KNOWN_FAULTS = ("foreign_kv", "late_write", "kv_corrupt", "park_commit", "wire_version",
+                "stale_status")
 
 #: Bootstrap rooms whose KV writes ``late_write`` holds back (tests pick rooms from here).
 LATE_ROOM_BASE = 0x1A7E << 48
@@ -154,6 +180,10 @@ PARK_TARGETS = tuple(
 )
 #: Log line of a parked request (``parked``, ``released``, ``left``).
 PARK_LOG = "TEST FAULT park_commit"
+#: ``wire_version``: the module attribute every reader of the fork's own wire version reads.
+WIRE_VERSION_TARGET = "sglang.pdsafe.pair_agreement.WIRE_VERSION"
+#: What ``wire_version:VERSION`` accepts: a pdsafe PD wire version, ``sglang-pdsafe-pair/N``.
+WIRE_VERSION_RE = re.compile(r"sglang-pdsafe-pair/[1-9][0-9]*")
 
 
 def parse_spec(spec: str) -> dict[str, str]:
@@ -217,6 +247,27 @@ def parse_late_write(spec: str) -> float:
 def parse_park_commit(spec: str) -> float:
     """Seconds the ``park_commit`` fault parks a finished transfer in ``spec`` (0.0: not armed)."""
     return _parse_seconds(spec, "park_commit", "park_commit:3")
+
+
+def parse_wire_version(spec: str) -> str:
+    """The wire version the ``wire_version`` fault makes the server speak in ``spec`` ("": not
+    armed). VERSION is required, must match ``sglang-pdsafe-pair/N`` (N a positive integer,
+    no leading zero) and must differ from this release's own (else the fault would pretend
+    nothing); anything else raises ``ValueError``."""
+    faults = parse_spec(spec)
+    if "wire_version" not in faults:
+        return ""
+    arg = faults["wire_version"]
+    if not WIRE_VERSION_RE.fullmatch(arg):
+        raise ValueError(f"{ENV}: wire_version needs a pdsafe wire version "
+                         f"sglang-pdsafe-pair/N, e.g. wire_version:sglang-pdsafe-pair/2, "
+                         f"got {arg!r}")
+    from sglang.pdsafe import pair_agreement
+
+    if arg == pair_agreement.WIRE_VERSION:
+        raise ValueError(f"{ENV}: wire_version:{arg} is this release's own wire version; "
+                         f"name another release's (the fault would pretend nothing)")
+    return arg
 
 
 @dataclass
@@ -430,6 +481,77 @@ def parse_late_write_log(text: str) -> list[LateWriteEvent]:
     ]
 
 
+#: ``stale_status``: decode metadata for a room in this range makes the prefill send that decode
+#: three status messages of an earlier transfer of the room first (see the module doc).
+STALE_ROOM_BASE = 0x57A1 << 48
+#: The prefill's check every decode metadata goes through before it is stored (patch 0022):
+#: the same call with and without the transfer-generation patch (0025).
+STALE_TARGET = ("sglang.srt.disaggregation.common.conn.CommonKVManager."
+                "pdsafe_refuses_decode")
+#: Log line of the stale messages ``stale_status`` sent.
+STALE_LOG = "TEST FAULT stale_status"
+#: The generation frame of an earlier reservation (never a live one: generations are 63-bit
+#: hashes, and this frame is sent before the real transfer's messages).
+STALE_GENERATION_FRAME = b"PDSAFE_GEN1:1"
+
+
+def stale_room(i: int) -> int:
+    """The ``i``-th bootstrap room ``stale_status`` answers with stale messages first."""
+    return STALE_ROOM_BASE + (i % ROOM_RANGE_WIDTH)
+
+
+def is_stale_room(room: object) -> bool:
+    return isinstance(room, int) and STALE_ROOM_BASE <= room < STALE_ROOM_BASE + ROOM_RANGE_WIDTH
+
+
+def _ascii(value: Any) -> str:
+    return value.decode("ascii") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+class StaleStatus:
+    """``stale_status`` (see the module doc): the stale messages, sent before the transfer."""
+
+    def after_refusal_check(self, refused: Any, kv_mgr: Any, room: Any, identity: Any,
+                            endpoint: Any, dst_port: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if not refused and is_stale_room(int(room)):
+                self.send(kv_mgr, int(room), _ascii(endpoint), int(_ascii(dst_port)))
+        except Exception:  # a test fault must never break the prefill's bootstrap thread
+            logger.exception("%s: could not send the stale messages", STALE_LOG)
+        return refused
+
+    @staticmethod
+    def messages(kv_mgr: Any, room: int) -> list[tuple[str, list[bytes]]]:
+        """(name, frames) of the stale messages for ``room``, in ``kv_mgr``'s status format."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        out = []
+        for name, status, frame in (("Failed, no generation", KVPoll.Failed, None),
+                                    ("Failed, another generation", KVPoll.Failed,
+                                     STALE_GENERATION_FRAME),
+                                    ("Success, another generation", KVPoll.Success,
+                                     STALE_GENERATION_FRAME)):
+            reason = f"{STALE_LOG}: a stale {name} of an earlier transfer of room {room}"
+            parts = kv_mgr._encode_kv_status_message(
+                bootstrap_room=room, status=status, failure_reason=reason)
+            if not kv_mgr.kv_status_msg_carries_reason:
+                parts.append(reason.encode("utf-8"))
+            out.append((name, parts + ([frame] if frame else [])))
+        return out
+
+    def send(self, kv_mgr: Any, room: int, endpoint: str, port: int) -> None:
+        from sglang.srt.utils.network import NetworkAddress
+
+        na = NetworkAddress(endpoint, port)
+        names = []
+        for name, parts in self.messages(kv_mgr, room):
+            kv_mgr._send_multipart_locked(na.to_tcp(), parts, is_ipv6=na.is_ipv6)
+            names.append(name)
+        logger.warning("%s: room %s: sent %d stale status messages to %s:%s before its "
+                       "transfer (%s)", STALE_LOG, room, len(names), endpoint, port,
+                       "; ".join(names))
+
+
 def _worker_room() -> int | None:
     """Bootstrap room of the chunk the calling ``transfer_worker`` frame is writing (or None)."""
     frame = sys._getframe(1)
@@ -599,6 +721,9 @@ armed: ForeignKV | None = None
 armed_late_write: LateWrite | None = None
 armed_corrupt: KvCorrupt | None = None
 armed_park: ParkCommit | None = None
+#: ``wire_version``: (this release's wire version, the one the process now speaks), once armed.
+armed_wire_version: tuple[str, str] | None = None
+armed_stale: StaleStatus | None = None
 
 
 def register() -> None:
@@ -608,18 +733,34 @@ def register() -> None:
     value raises ``ValueError`` (sglang's loader logs it: the server runs unarmed and says so).
     Idempotent within a process: a second call registers nothing more.
     """
-    global armed, armed_late_write, armed_corrupt, armed_park
+    global armed, armed_late_write, armed_corrupt, armed_park, armed_wire_version, armed_stale
     spec = os.environ.get(ENV, "")
     if not spec.strip() or armed is not None or armed_late_write is not None \
-            or armed_corrupt is not None or armed_park is not None:
+            or armed_corrupt is not None or armed_park is not None \
+            or armed_wire_version is not None or armed_stale is not None:
         return
     n = parse_foreign_kv(spec)
     seconds = parse_late_write(spec)
     corrupt = "kv_corrupt" in parse_spec(spec)
     park = parse_park_commit(spec)
-    if not n and not seconds and not corrupt and not park:
+    wire_version = parse_wire_version(spec)
+    stale = "stale_status" in parse_spec(spec)
+    if not n and not seconds and not corrupt and not park and not wire_version and not stale:
         logger.warning("%s=%r names no known test fault; nothing armed", ENV, spec)
         return
+    if wire_version:
+        from sglang.pdsafe import pair_agreement
+
+        armed_wire_version = (pair_agreement.WIRE_VERSION, wire_version)
+        pair_agreement.WIRE_VERSION = wire_version
+        logger.warning(
+            "TEST FAULT ARMED (%s=%s, plugin %s, pid %d): this process speaks pdsafe wire "
+            "version %s instead of this release's %s (%s): it publishes, announces and requires "
+            "that version, as a fork of another release. Never install sglang-pdsafe-testkit "
+            "or set this outside tests.",
+            ENV, spec, PLUGIN_NAME, os.getpid(), wire_version, armed_wire_version[0],
+            WIRE_VERSION_TARGET,
+        )
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if n:
@@ -631,6 +772,16 @@ def register() -> None:
             "rid prefix %r get the KV of the last %d prompt positions of the last request with "
             "rid prefix %r. Never install sglang-pdsafe-testkit or set this outside tests.",
             ENV, spec, PLUGIN_NAME, os.getpid(), TARGET, INJECT_PREFIX, n, SOURCE_PREFIX,
+        )
+    if stale:
+        armed_stale = StaleStatus()
+        HookRegistry.register(STALE_TARGET, armed_stale.after_refusal_check, HookType.AFTER)
+        logger.warning(
+            "TEST FAULT ARMED (%s=%s, plugin %s, pid %d): decode metadata for bootstrap rooms "
+            "%d..%d (%s) makes this prefill send the decode stale status messages of an earlier "
+            "transfer of the room first. Never install sglang-pdsafe-testkit or set this "
+            "outside tests.", ENV, spec, PLUGIN_NAME, os.getpid(), STALE_ROOM_BASE,
+            STALE_ROOM_BASE + ROOM_RANGE_WIDTH - 1, STALE_TARGET,
         )
     if corrupt:
         armed_corrupt = KvCorrupt()
