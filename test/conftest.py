@@ -60,7 +60,10 @@ def pd(request: pytest.FixtureRequest, log_dir: Path, model_path: Path) -> Itera
         backend, log_dir,
         prefill=ServerConfig(role="prefill", model_path=model_path,
                              max_total_tokens=SHARED_PREFILL_POOL,
-                             context_length=SHARED_PREFILL_POOL),
+                             context_length=SHARED_PREFILL_POOL,
+                             # Only acts on bootstrap rooms of its reserved range (the
+                             # transfer generation's end-to-end test).
+                             env={"SGLANG_PDSAFE_TEST_FAULTS": "stale_status"}),
         decode=ServerConfig(role="decode", model_path=model_path,
                             max_total_tokens=SHARED_DECODE_POOL,
                             context_length=SHARED_DECODE_POOL,
