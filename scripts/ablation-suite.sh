@@ -54,6 +54,8 @@ ROWS=(
   "peer-capability-unit|0022|test/unit/test_peer_capability.py"
   "source-lease-unit|0023|test/unit/test_source_lease.py"
   "page-generation-unit|0024|test/unit/test_page_generation.py"
+  "transfer-generation-unit|0025 0026|test/unit/test_transfer_generation.py"
+  "transfer-generation-e2e|0025 0026|test/pd/test_transfer_generation_e2e.py -k mooncake"
 )
 
 want=("$@")

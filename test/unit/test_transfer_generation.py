@@ -10,7 +10,7 @@ are recorders), and each backend's real decode control loop (Mooncake ``start_de
 NIXL ``_start_decode_listener_thread``) fed frames through a stand-in socket, down to upstream's
 ``apply_prefill_status``, ``_handle_aux_data`` (into a real numpy aux buffer) and
 ``handle_chunk_ready``. The prefill side is each backend's real bootstrap-thread loop fed what
-the decode ranks sent, then its real ``send_kv_status_message``, ``pdsafe_send_failed_status``,
+the decode ranks sent, then its real ``send_kv_status_message``, ``pdsafe_send_failed_status_tagged``,
 ``conclude_transfer``, ``send_aux_tcp`` and ``send_chunk_ready`` (socket replaced by a
 recorder), ``CommonKVSender.pdsafe_transfer_generation`` / ``clear``, and the real digest row
 of test_kv_integrity_wiring's prefill (``send_kv_chunk`` with the real digester). What the
@@ -230,7 +230,13 @@ class _Rank:
         r = receiver if receiver is not None else self.receiver(room)
         dreq = DecodeRequest(req=req, kv_receiver=r)
         kv_indices = self.q.rtt.req_to_token[req.kv.req_pool_idx, :pg.TOKENS]
-        self.q.pq._send_kv_metadata(dreq, kv_indices, pg.PAGE, None, decode_prefix_len=0)
+        # Each rank is its own process in a server: only its own tables are attached there.
+        saved = page_generation._PROCESS_TABLES
+        page_generation._PROCESS_TABLES = _tables(self)
+        try:
+            self.q.pq._send_kv_metadata(dreq, kv_indices, pg.PAGE, None, decode_prefix_len=0)
+        finally:
+            page_generation._PROCESS_TABLES = saved
         return dreq
 
     def release(self, dreq: Any) -> None:
@@ -365,6 +371,11 @@ def test_a_prefill_without_this_wire_version_gets_upstreams_metadata_and_nothing
     assert _delta(before) == {}
 
 
+def _tables(rank: Any) -> list[Any]:
+    """The generation tables attached to ``rank``'s allocator (its process's, in a server)."""
+    return [page_generation.table_of(p.leaf) for p in page_generation._parts(rank.q.alloc)]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_new_reservation_of_a_replayed_room_gets_a_new_generation_and_ranks_agree(
         monkeypatch, backend):
@@ -376,7 +387,8 @@ def test_a_new_reservation_of_a_replayed_room_gets_a_new_generation_and_ranks_ag
     seen: list[list[tuple[int, list[int], int, tuple[int, ...]]]] = [[], []]
     for _ in range(2):
         for i, rank in enumerate(ranks):
-            epochs = page_generation.epochs(rank.q.alloc)
+            monkeypatch.setattr(page_generation, "_PROCESS_TABLES", _tables(rank))
+            epochs = page_generation.process_epochs()  # what reserve() reads
             dreq = rank.reserve("rid-same", room)
             g = dreq.kv_receiver.pdsafe_transfer_generation()
             assert rank.last_metadata()[-1] == _gen(g)
@@ -397,7 +409,8 @@ def test_without_page_generations_a_reservation_counter_stands_in(monkeypatch, b
     gens: list[list[int]] = [[], []]
     for _ in range(2):
         for i, rank in enumerate(ranks):
-            assert page_generation.epochs(rank.q.alloc) == ()
+            monkeypatch.setattr(page_generation, "_PROCESS_TABLES", _tables(rank))
+            assert page_generation.process_epochs() == ()
             dreq = rank.reserve("rid-same", room)
             gens[i].append(dreq.kv_receiver.pdsafe_transfer_generation())
             rank.release(dreq)
@@ -439,7 +452,7 @@ def test_prefill_tags_each_status_with_the_generation_that_endpoint_sent(monkeyp
     prefill.m.send_kv_status_message(targets=targets, bootstrap_room=room,
                                      status=KVPoll.Failed, failure_reason="prefill failed")
     notice = "refused on the prefill: the prompt is too long"
-    results = prefill.m.pdsafe_send_failed_status(room, targets, notice)
+    results = prefill.m.pdsafe_send_failed_status_tagged(room, targets, notice)
     assert [err for _, err in results] == [None] * 4
     assert [ep for ep, _ in prefill.sent] == [a.tcp, b.tcp, c.tcp, d.tcp] * 3
     assert _delta(before) == {}
@@ -729,6 +742,7 @@ def test_a_room_reused_through_another_decode_endpoint_is_not_a_split(monkeypatc
     _sender(prefill, room).clear()
     g1 = first.kv_receiver.pdsafe_transfer_generation()
     b = _Rank(monkeypatch, backend, port=5556)  # another decode instance (or DP rank)
+    _break_lockstep(b)  # with a history of its own (an identical one may mint the same g)
     g = b.reserve("r-retry", room).kv_receiver.pdsafe_transfer_generation()  # a new request
     assert g != g1
     prefill.receive(monkeypatch, b)

@@ -52,7 +52,7 @@ decode host-receive path, unknown subclasses): never silently unprotected.
 
 Off: ``SGLANG_PDSAFE_PAGE_GENERATION=0`` (startup warning; nothing attached, upstream's bare
 free lists). Not done here: the page generation itself does not travel on the wire (the
-tables' epochs, :func:`epochs`, seed each reservation's transfer generation, which does:
+tables' epochs, :func:`process_epochs`, seed each reservation's transfer generation, which does:
 :mod:`sglang.pdsafe.transfer_generation`), req-slot-indexed state (SWA ring, DSV4 request
 state, request rows) carries none, and on a GPU the check reads one flag back per transfer (a
 device sync).
@@ -328,18 +328,24 @@ def install(allocator: Any, req_to_token_pool: Any, server_args: Any) -> list[st
                                     _num_pages(part.leaf), part.leaf.device)
             part.leaf.pdsafe_page_generations = table
         names.append(table.name)
+        if all(t is not table for t in _PROCESS_TABLES):
+            _PROCESS_TABLES.append(table)
     logger.info("pdsafe page generations attached (%s): %s", mode, ", ".join(names))
     return names
 
 
-def epochs(allocator: Any) -> tuple[int, ...]:
-    """The current epochs of ``allocator``'s generation tables (one per leaf; empty when page
-    generations are off or not installed on it). Host integers, no device read: every free
-    moves them, and the ranks of a TP group, which free in lockstep, read the same ones
+#: The tables :func:`install` attached in this process (one PD scheduler per process).
+_PROCESS_TABLES: list[GenerationTable] = []
+
+
+def process_epochs() -> tuple[int, ...]:
+    """The current epochs of every generation table this process attached (empty when page
+    generations are off or not installed). Host integers, no device read: every free moves
+    them, and the ranks of a TP group, which free in lockstep, read the same ones
     (``transfer_generation`` derives a reservation's generation from them)."""
-    if not enabled() or allocator is None or not installed(allocator):
+    if not enabled():
         return ()
-    return tuple(table_of(part.leaf).epoch for part in _parts(allocator))
+    return tuple(t.epoch for t in _PROCESS_TABLES)
 
 
 def installed(allocator: Any) -> bool:

@@ -63,7 +63,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from sglang.pdsafe import metrics, peer_policy
+from sglang.pdsafe import metrics, peer_policy, transfer_generation
 from sglang.pdsafe.hook_api import attached, guarded, require
 
 logger = logging.getLogger("sglang.pdsafe.peer_capability")
@@ -289,8 +289,8 @@ def _refuse_room(kv_mgr: Any, room: int, endpoint: str, dst_port: int, message: 
     # Remembered by peer release: a sender opened later for this room fails at once, and
     # metadata other decode ranks published for it is answered Failed too.
     peer_release.prefill_rejected(kv_mgr, room, message)
-    for (host, port), err in kv_mgr.pdsafe_send_failed_status(room, [(endpoint, dst_port)],
-                                                              message):
+    for (host, port), err in transfer_generation.send_failed_status(
+            kv_mgr, room, [(endpoint, dst_port)], message):
         if err is not None:
             notify_failed(f"send the Failed status of refused room {room} to decode "
                           f"{host}:{port}", err)

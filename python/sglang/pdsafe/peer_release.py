@@ -54,7 +54,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang.pdsafe import metrics
+from sglang.pdsafe import metrics, transfer_generation
 from sglang.pdsafe.hook_api import attached, guarded, require
 from sglang.pdsafe.peer_notifier import (  # noqa: F401 - the patches' call sites use these names
     decode_rejected,
@@ -253,8 +253,8 @@ def _answer_decode(kv_mgr: Any, room: int, rec: _Room) -> bool:
     targets, first = reg.claim_targets(rec, targets)
     sent = 0
     if targets:
-        for (host, port), err in kv_mgr.pdsafe_send_failed_status(
-                room, targets, _failure_message(room, rec)):
+        for (host, port), err in transfer_generation.send_failed_status(
+                kv_mgr, room, targets, _failure_message(room, rec)):
             if err is None:
                 sent += 1
             else:  # a dead decode must not stop the others

@@ -9,13 +9,14 @@ content), a late TCP aux message writes the metadata slot its *old* reservation 
 another request's), a late ``CHUNK_READY`` scatters a staging chunk into the new reservation.
 Only the (possibly replayed) room ties any of them to a transfer.
 
-**The generation.** When a decode rank reserves a transfer's pages
-(``DecodePreallocQueue._send_kv_metadata``), :func:`mint_for_reservation` derives the
-reservation's transfer generation (63 bits, never 0) from what that reservation is on this
-server: room, rid, metadata slot, page ids, and the epochs of the page-generation tables
-(:mod:`sglang.pdsafe.page_generation`), which move with every free. Two reservations of one
-server can only share pages or a slot if one freed them before the other took them, so the
-epochs differ: a new reservation gets a new generation even for a replayed room and rid.
+**The generation.** When a decode rank sends the metadata of a transfer's reservation
+(``CommonKVReceiver.send_metadata``, after ``DecodePreallocQueue._send_kv_metadata`` reserved
+its pages and metadata slot), :func:`mint` derives the reservation's transfer generation (63
+bits, never 0) from what that reservation is on this server: room, metadata slot, page ids,
+and the epochs of this process's page-generation tables (:mod:`sglang.pdsafe.page_generation`),
+which move with every free. Two reservations of one server can only share pages or a slot if
+one freed them before the other took them, so the epochs differ: a new reservation gets a new
+generation even for a replayed room.
 Nothing of it comes from a client field alone. The ranks of a decode TP group reserve and free
 in lockstep, so they derive the same generation without a collective (the prefill checks it:
 below). With page generations off (``SGLANG_PDSAFE_PAGE_GENERATION=0``) a per-manager
@@ -82,7 +83,9 @@ only on the ACK of that generation), and a stale ABORT can fail a live room of t
 number on the prefill (a failed request, never a leak). One-sided KV writes carry nothing:
 a late write lands where its old reservation pointed; the quarantine holds those pages
 until the drain is acknowledged. MORI does not carry the generation (it cannot run here);
-its rooms are handled as upstream does. The coverage attestation row has no free slot: its
+its rooms are handled as upstream does. Two decode servers with identical histories may mint
+the same generation for a room; harmless, since every message is addressed to one decode
+endpoint and the prefill keys generations by (room, endpoint). The coverage attestation row has no free slot: its
 freshness comes from the digest row, checked before the first decode step.
 """
 
@@ -133,9 +136,11 @@ require(_KV_MANAGER, "pdsafe_transfer_generation_wired", "pdsafe_room_status(boo
         "pdsafe_note_transfer_generation(bootstrap_room, msg)",
         "pdsafe_generation_frames(bootstrap_room, endpoint, dst_port)",
         "pdsafe_drops_stale_message(kind, msg)",
+        "pdsafe_send_failed_status_tagged(bootstrap_room, endpoints, message)",
         why="transfer generations: prefill records and echoes the generation decode sent, "
             "decode drops control messages without it (issue 9, item 2)")
 require(_RECEIVER, "pdsafe_metadata_generation_frames()", "pdsafe_transfer_generation()",
+        "pdsafe_mint_transfer_generation(kv_indices, aux_index)",
         why="transfer generations: decode sends its reservation's generation with the metadata")
 require("sglang.srt.disaggregation.common.conn.CommonKVSender",
         "pdsafe_transfer_generation()",
@@ -173,13 +178,12 @@ def frame_generation(msg: Sequence[bytes]) -> int | None:
     return value if 0 < value <= _U63 else -1
 
 
-def derive(*, room: int, rid: str, aux_index: int | None, page_indices: Any,
+def derive(*, room: int, aux_index: int | None, page_indices: Any,
            epochs: Sequence[int]) -> int:
     """The generation of one reservation (pure): a 63-bit BLAKE2b of everything it is on this
     server; never 0."""
     h = hashlib.blake2b(digest_size=8, person=b"pdsafe-gen1")
     h.update(str(int(room)).encode("ascii") + b"\0")
-    h.update(str(rid).encode("utf-8", "replace") + b"\0")
     h.update(str(-1 if aux_index is None else int(aux_index)).encode("ascii") + b"\0")
     h.update(np.ascontiguousarray(np.asarray(page_indices, dtype=np.int64)).tobytes() + b"\0")
     h.update(b",".join(str(int(e)).encode("ascii") for e in epochs))
@@ -214,30 +218,30 @@ def _receiver_generation_attr() -> str:
     return "_pdsafe_transfer_generation"
 
 
-def _epochs(queue: Any, kv_mgr: Any) -> tuple[int, ...]:
+def _epochs(kv_mgr: Any) -> tuple[int, ...]:
     from sglang.pdsafe import page_generation
 
-    epochs = page_generation.epochs(getattr(queue, "token_to_kv_pool_allocator", None))
+    epochs = page_generation.process_epochs()
     if epochs:
         return epochs
     return (-next(_decode_rooms(kv_mgr).counter),)
 
 
-@guarded("transfer_generation.mint_for_reservation", default=None, **_guard)
-def mint_for_reservation(queue: Any, decode_req: Any, page_indices: Any) -> None:
-    """``DecodePreallocQueue._send_kv_metadata``, after the pages and the metadata slot are
-    reserved and before the metadata is sent: mint the reservation's generation and make it
-    the room's live one on this rank. A failure leaves none (counted, logged): the
-    transfer then runs as with a stock prefill, checked by the coverage and digest rows."""
-    receiver = decode_req.kv_receiver
+@guarded("transfer_generation.mint", default=None, **_guard)
+def mint(receiver: Any, page_indices: Any, aux_index: int | None) -> None:
+    """``CommonKVReceiver.send_metadata``, before the metadata for the reservation of
+    ``page_indices`` and metadata slot ``aux_index`` goes to any prefill rank: mint the
+    reservation's generation (a re-sent metadata, a new reservation, mints anew). A failure
+    leaves none (counted, logged): the room's messages are then checked only as those of a
+    stock peer's, and the coverage and digest rows still check its transfer."""
+    setattr(receiver, _receiver_generation_attr(), 0)
+    receiver._pdsafe_transfer_generation_sent = 0
     kv_mgr = receiver.kv_mgr
     if not getattr(kv_mgr, "pdsafe_transfer_generation_wired", False):
         return
-    req = decode_req.req
-    room = int(req.bootstrap_room)
-    aux_index = decode_req.metadata_buffer_index
-    generation = derive(room=room, rid=str(req.rid), aux_index=aux_index,
-                        page_indices=page_indices, epochs=_epochs(queue, kv_mgr))
+    room = int(receiver.bootstrap_room)
+    generation = derive(room=room, aux_index=aux_index, page_indices=page_indices,
+                        epochs=_epochs(kv_mgr))
     setattr(receiver, _receiver_generation_attr(), generation)
     rooms = _decode_rooms(kv_mgr)
     with rooms.lock:
@@ -392,6 +396,17 @@ def drops_stale_message(kv_mgr: Any, kind: str, msg: Sequence[bytes]) -> bool:
 
 
 # =========================================================================== prefill side
+
+
+def send_failed_status(kv_mgr: Any, room: int, endpoints: list[tuple[str, int]],
+                       message: str) -> list[tuple[tuple[str, int], BaseException | None]]:
+    """Send ``Failed`` with ``message`` to the room's decode endpoints, each tagged with the
+    generation it sent (the patch's ``pdsafe_send_failed_status_tagged``); a tree without
+    that patch (an earlier prefix of the series) sends upstream's untagged format."""
+    send = getattr(kv_mgr, "pdsafe_send_failed_status_tagged", None)
+    if send is None:
+        send = kv_mgr.pdsafe_send_failed_status
+    return send(room, endpoints, message)
 
 
 class _PrefillRooms:
