@@ -10,7 +10,8 @@ are recorders), and each backend's real decode control loop (Mooncake ``start_de
 NIXL ``_start_decode_listener_thread``) fed frames through a stand-in socket, down to upstream's
 ``apply_prefill_status``, ``_handle_aux_data`` (into a real numpy aux buffer) and
 ``handle_chunk_ready``. The prefill side is each backend's real bootstrap-thread loop fed what
-the decode ranks sent, then its real ``send_kv_status_message``, ``pdsafe_send_failed_status_tagged``,
+the decode ranks sent, then its real ``send_kv_status_message``,
+``pdsafe_send_failed_status_tagged``,
 ``conclude_transfer``, ``send_aux_tcp`` and ``send_chunk_ready`` (socket replaced by a
 recorder), ``CommonKVSender.pdsafe_transfer_generation`` / ``clear``, and the real digest row
 of test_kv_integrity_wiring's prefill (``send_kv_chunk`` with the real digester). What the

@@ -85,8 +85,12 @@ a late write lands where its old reservation pointed; the quarantine holds those
 until the drain is acknowledged. MORI does not carry the generation (it cannot run here);
 its rooms are handled as upstream does. Two decode servers with identical histories may mint
 the same generation for a room; harmless, since every message is addressed to one decode
-endpoint and the prefill keys generations by (room, endpoint). The coverage attestation row has no free slot: its
-freshness comes from the digest row, checked before the first decode step.
+endpoint and the prefill keys generations by (room, endpoint). The coverage attestation row
+has no free slot: its freshness comes from the digest row, checked before the first decode
+step. A prefill's refusal of a decode that did not announce its wire version (peer capability)
+happens before the metadata is stored, so that Failed carries no generation: a decode that
+sent one (it announced, so only if its announcement was lost) drops it and fails the request
+at its own timeout.
 """
 
 from __future__ import annotations
