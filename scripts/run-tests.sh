@@ -10,4 +10,5 @@ export PDSAFE_LOG_DIR=${PDSAFE_LOG_DIR:-$PWD/build/test-logs}
 # PDSAFE_BENCH=1 makes it run the whole `--quick` matrix instead (longer than CI's budget allows).
 if [ "${PDSAFE_ALL_TESTS:-0}" = 1 ]; then sel=()
 else sel=(-m "not pending_validation"); fi
-exec "$VENV/bin/python" -m pytest test -ra -q -p no:cacheprovider "${sel[@]}" "$@"
+# --durations: the slowest tests in the log, to keep CI within its time budget.
+exec "$VENV/bin/python" -m pytest test -ra -q -p no:cacheprovider --durations=25 "${sel[@]}" "$@"
