@@ -51,8 +51,11 @@ that changes it. It is *derived* by both sides (decode recomputes it from its ow
 not a secret and not a decode-generated per-reservation nonce, so it does not distinguish two
 transfers of the same room with the same tokens (a client reusing a room for an identical
 prompt, or a late row from an earlier attempt of the same room and prompt); freshness against
-room reuse needs a generation carried in the bootstrap metadata message. It also attests what
-prefill *claims* to have written, not the bytes in the pages (that is the KV checksum's job).
+room reuse comes from the transfer generation (:mod:`sglang.pdsafe.transfer_generation`): it
+travels with the bootstrap metadata, every status and aux message must carry it, and the KV
+digest row, checked before the first decode step, binds it (this row has no free slot for it).
+It also attests what prefill *claims* to have written, not the bytes in the pages (that is the
+KV digest's job).
 """
 
 from __future__ import annotations
