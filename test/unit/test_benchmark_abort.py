@@ -48,6 +48,8 @@ from benchmark.scenarios import (
 )
 from benchmark.targets import PARK_COMMIT_S, STACK_KINDS, PDTarget
 
+from ._fake_http import JsonHandler
+
 NAMES = ("abort-bootstrap", "abort-prealloc", "abort-mid-transfer",
          "abort-after-transfer-before-commit", "abort-during-decode")
 
@@ -161,20 +163,7 @@ class World:
 
 
 def _handler(world: World, role: str) -> type[BaseHTTPRequestHandler]:
-    class H(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *a: Any) -> None:
-            pass
-
-        def _json(self, code: int, body: Any) -> None:
-            raw = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
+    class H(JsonHandler):
         def do_GET(self) -> None:
             if self.path.startswith("/v1/loads"):
                 n = world.waiting.get(role, 0)

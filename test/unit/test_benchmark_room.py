@@ -36,6 +36,8 @@ from benchmark.scenarios import (
 )
 from benchmark.targets import PDTarget
 
+from ._fake_http import JsonHandler
+
 REF = [10, 11, 12, 13]
 
 
@@ -137,20 +139,7 @@ class World:
 
 
 def _handler(world: World, role: str) -> type[BaseHTTPRequestHandler]:
-    class H(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *a: Any) -> None:
-            pass
-
-        def _json(self, code: int, body: Any) -> None:
-            raw = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
+    class H(JsonHandler):
         def do_GET(self) -> None:
             if self.path.startswith("/server_info"):
                 self._json(200, {"max_total_num_tokens": 1024, "context_length": 1024,
