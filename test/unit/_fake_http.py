@@ -1,5 +1,5 @@
-"""A JSON-answering ``BaseHTTPRequestHandler`` base for the benchmark's fake PD servers (unit
-tests only: the benchmark's scenario code runs against these in place of real servers)."""
+"""The benchmark's fake PD servers (unit tests only: the benchmark's scenario code runs against
+these in place of real servers): a JSON-answering handler base and the fake model."""
 
 from __future__ import annotations
 
@@ -23,3 +23,11 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()
         self.wfile.write(raw)
+
+
+def answer_of(prompt: list[int], n: int) -> list[int]:
+    """The fake model (and the fake reference): copy the token 16 positions back."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(seq[-16])
+    return seq[len(prompt):]

@@ -48,7 +48,7 @@ from benchmark.scenarios import (
 )
 from benchmark.targets import PARK_COMMIT_S, STACK_KINDS, PDTarget
 
-from ._fake_http import JsonHandler
+from ._fake_http import JsonHandler, answer_of
 
 NAMES = ("abort-bootstrap", "abort-prealloc", "abort-mid-transfer",
          "abort-after-transfer-before-commit", "abort-during-decode")
@@ -106,14 +106,6 @@ def test_a_leg_left_waiting_is_a_hang() -> None:
 
 
 # ----------------------------------------------------------------------------- the fake PD pair
-
-
-def answer_of(prompt: list[int], n: int) -> list[int]:
-    """The fake model (and the fake reference): copy the token 16 positions back."""
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(seq[-16])
-    return seq[len(prompt):]
 
 
 @dataclass

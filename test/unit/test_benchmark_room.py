@@ -36,7 +36,7 @@ from benchmark.scenarios import (
 )
 from benchmark.targets import PDTarget
 
-from ._fake_http import JsonHandler
+from ._fake_http import JsonHandler, answer_of
 
 REF = [10, 11, 12, 13]
 
@@ -114,14 +114,6 @@ def test_classify_list_worst_sample_wins_and_never_identical_when_one_differs() 
 
 
 # ----------------------------------------------------------------------------- the fake PD pair
-
-
-def answer_of(prompt: list[int], n: int) -> list[int]:
-    """The fake model (and the fake reference): copy the token 16 positions back."""
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(seq[-16])
-    return seq[len(prompt):]
 
 
 @dataclass

@@ -168,9 +168,17 @@ def _prefill(backend: str) -> tuple[Any, list[tuple[str, list[bytes]]], list[str
 
 def _run_bootstrap_loop(monkeypatch, m: Any, frames: list[list[bytes]]) -> None:
     """Run the backend's real prefill bootstrap loop over ``frames``, in this thread."""
+    start = getattr(m, "start_prefill_thread", None) or m._start_bootstrap_thread
+    _run_control_loop(monkeypatch, m, start, frames)
+
+
+def _run_control_loop(monkeypatch, m: Any, start: Callable[[], None],
+                      frames: list[list[bytes]]) -> None:
+    """Run the control loop that ``start`` (a bound method of ``m`` that starts one thread)
+    starts, over ``frames`` from a stand-in socket, in this thread, until they are drained."""
     import sys
 
-    queue = list(frames)
+    queue = [list(f) for f in frames]
 
     def recv_multipart() -> list[bytes]:
         if not queue:
@@ -178,6 +186,7 @@ def _run_bootstrap_loop(monkeypatch, m: Any, frames: list[list[bytes]]) -> None:
             raise _Drained
         return queue.pop(0)
 
+    m._stopped = False
     m.server_socket = SimpleNamespace(recv_multipart=recv_multipart)
     targets: list[Callable[[], None]] = []
 
@@ -188,7 +197,6 @@ def _run_bootstrap_loop(monkeypatch, m: Any, frames: list[list[bytes]]) -> None:
         def start(self) -> None:
             pass
 
-    start = getattr(m, "start_prefill_thread", None) or m._start_bootstrap_thread
     module = sys.modules[start.__func__.__module__]  # Ascend: Mooncake's loop
     with monkeypatch.context() as p:
         p.setattr(module, "threading", SimpleNamespace(Thread=Thread))

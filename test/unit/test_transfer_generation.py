@@ -28,10 +28,9 @@ and a room reused through another decode endpoint (not a split).
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -118,35 +117,8 @@ def _sender(prefill: _Prefill, room: int) -> Any:
 
 def _deliver(monkeypatch, kv: Any, frames: list[list[bytes]]) -> None:
     """Run the backend's real decode control loop of ``kv`` over ``frames``, in this thread."""
-    queue = [list(f) for f in frames]
-
-    def recv_multipart() -> list[bytes]:
-        if not queue:
-            kv._stopped = True
-            raise cap._Drained
-        return queue.pop(0)
-
-    kv._stopped = False
-    kv.server_socket = SimpleNamespace(recv_multipart=recv_multipart)
-    targets: list[Callable[[], None]] = []
-
-    class Thread:
-        def __init__(self, target: Callable[[], None], **_: Any) -> None:
-            targets.append(target)
-
-        def start(self) -> None:
-            pass
-
     start = getattr(kv, "start_decode_thread", None) or kv._start_decode_listener_thread
-    with monkeypatch.context() as p:
-        p.setattr(sys.modules[type(kv).__module__], "threading", SimpleNamespace(Thread=Thread))
-        start()
-    assert len(targets) == 1
-    try:
-        targets[0]()
-    except cap._Drained:
-        pass
-    assert not queue, f"the loop stopped before reading {len(queue)} messages"
+    cap._run_control_loop(monkeypatch, kv, start, frames)
 
 
 # --------------------------------------------------------------------------- decode rank
