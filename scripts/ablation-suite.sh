@@ -56,6 +56,7 @@ ROWS=(
   "page-generation-unit|0024|test/unit/test_page_generation.py"
   "transfer-generation-unit|0025 0026|test/unit/test_transfer_generation.py"
   "transfer-generation-e2e|0025 0026|test/pd/test_transfer_generation_e2e.py -k mooncake"
+  "abort-generation-unit|0025 0026|test/unit/test_abort_generation.py"
 )
 
 want=("$@")

@@ -629,7 +629,8 @@ def test_split_generations_refuse_the_transfer_and_zero_the_digest_row(monkeypat
     p, _ = _digest_row(sender, room)
     assert p.disagg_metadata_buffers.kv_checksum[kvw.PREFILL_IDX].tolist() == [0] * 8
     assert p.sent and p.sent[-1][2] == [0] * 8, "the chunk went out with a zero row"
-    assert _delta(before) == {tg.SPLIT: 2, kv_integrity.FAILED: 1}
+    # The split is counted once for the room, though the coverage and digest rows asked again.
+    assert _delta(before) == {tg.SPLIT: 1, kv_integrity.FAILED: 1}
 
 
 # =========================================================================== the replay
@@ -724,3 +725,47 @@ def test_a_room_reused_through_another_decode_endpoint_is_not_a_split(monkeypatc
     except tg.GenerationSplitError as e:
         got = e
     assert got == g
+
+
+# ================================================================ the coverage row binds it
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_coverage_row_binds_the_transfer_generation(monkeypatch, backend):
+    """Slot 2 of the coverage attestation binds the generation: prefill attests with the one
+    its decode rank sent (``CommonKVSender.pdsafe_transfer_generation``), decode checks with
+    the one it sent (``CommonKVReceiver.pdsafe_transfer_generation``). The room reserved again
+    for the same tokens: the row its earlier reservation's transfer wrote is refused
+    (``token_digest``), the row written for the new one is accepted."""
+    from . import test_coverage as tc
+
+    room = _room()
+    rank, first, prefill = _served(monkeypatch, backend, room, slots=1)
+
+    def attest(dreq: Any) -> Any:
+        """What prefill's last chunk writes for ``dreq``'s transfer, moved into a decode row
+        like Mooncake's TCP aux path moves it."""
+        pbuf, dbuf = tc._buffers(), tc._buffers()
+        preq = SimpleNamespace(bootstrap_room=room, metadata_buffer_index=2,
+                               origin_input_ids=list(dreq.req.origin_input_ids),
+                               disagg_decode_prefix_len=0,
+                               disagg_kv_sender=_sender(prefill, room))
+        pbuf.bootstrap_room[2, 0] = room  # upstream's set_buf
+        coverage.attest_prefill_hook(pbuf, preq, pg.TOKENS, pg.PAGE)
+        tc._transfer_row(pbuf, dbuf, 2, dreq.metadata_buffer_index)
+        return SimpleNamespace(metadata_buffers=dbuf)
+
+    row_g1 = attest(first)
+    assert coverage.check_commit_hook(row_g1, first).ok
+    g1 = first.kv_receiver.pdsafe_transfer_generation()
+    rank.release(first)
+    _sender(prefill, room).clear()
+
+    second = rank.reserve("r", room)
+    assert second.kv_receiver.pdsafe_transfer_generation() not in (0, g1)
+    assert list(second.req.origin_input_ids) == list(first.req.origin_input_ids)
+    prefill.receive(monkeypatch, rank)
+    stale = coverage.check_commit_hook(row_g1, second)
+    assert stale.outcome is coverage.Outcome.MISMATCH and stale.differs == ("token_digest",)
+    assert "another transfer of this bootstrap room" in stale.message
+    assert coverage.check_commit_hook(attest(second), second).ok

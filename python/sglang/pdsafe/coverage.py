@@ -17,8 +17,9 @@ slot  field                meaning
 ====  ===================  ==============================================================
 0     room                 bootstrap room (upstream writes and checks it)
 1     magic                ``MAGIC_VERSION``: "pdsafe" + layout version (0 = no attestation)
-2     token_digest         blake2b of (room, token ids ``[0, first + count)``): the per
-                           transfer binding value, see :func:`token_digest`
+2     token_digest         blake2b of (room, token ids ``[0, first + count)``) bound to the
+                           transfer generation: the per-transfer binding value, see
+                           :func:`token_digest` and :func:`bind_generation`
 3     first_token_idx      first position prefill wrote (decode's promised prefix length)
 4     token_count          positions prefill wrote: ``[first, first + count)``
 5     page_count           pages prefill wrote into decode's reservation
@@ -47,15 +48,18 @@ Invariants:
 What the token digest proves and what it does not: it binds the attestation to the exact token
 sequence prefill computed KV from (same tokens in the same order, for this room), so a
 divergence that keeps the length (a template that differs in one word) is caught as well as one
-that changes it. It is *derived* by both sides (decode recomputes it from its own tokens): it is
-not a secret and not a decode-generated per-reservation nonce, so it does not distinguish two
-transfers of the same room with the same tokens (a client reusing a room for an identical
-prompt, or a late row from an earlier attempt of the same room and prompt); freshness against
-room reuse comes from the transfer generation (:mod:`sglang.pdsafe.transfer_generation`): it
-travels with the bootstrap metadata, every status and aux message must carry it, and the KV
-digest row, checked before the first decode step, binds it (this row has no free slot for it).
-It also attests what prefill *claims* to have written, not the bytes in the pages (that is the
-KV digest's job).
+that changes it. It is *derived* by both sides (decode recomputes it from its own tokens), so
+on its own it would not distinguish two transfers of the same room with the same tokens (a
+client reusing a room for an identical prompt, or a late row from an earlier attempt of the
+same room and prompt). Slot 2 therefore carries it bound to the transfer generation
+(:func:`bind_generation`; :mod:`sglang.pdsafe.transfer_generation`): decode mints a new one
+for every reservation and sends it with the metadata, prefill binds the one its decode ranks
+sent (``CommonKVSender.pdsafe_transfer_generation``), decode the one it sent
+(``CommonKVReceiver.pdsafe_transfer_generation``), so a row written for another reservation of
+the room is a ``token_digest`` mismatch. Where no generation travels (a backend without it,
+MORI; an earlier prefix of the series) both sides bind 0: the row is then only as fresh as the
+room. It also attests what prefill *claims* to have written, not the bytes in the pages (that
+is the KV digest's job, whose row binds the generation too).
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any
 
@@ -74,8 +78,9 @@ from sglang.pdsafe.protections import Protection, is_pd, register
 
 logger = logging.getLogger(__name__)
 
-#: "pdsafe" in ASCII, then a 16-bit layout version. Positive as int64 (Ascend's row dtype).
-MAGIC_VERSION = 0x7064_7361_6665_0001
+#: "pdsafe" in ASCII, then a 16-bit layout version (2: slot 2 bound to the transfer
+#: generation). Positive as int64 (Ascend's row dtype).
+MAGIC_VERSION = 0x7064_7361_6665_0002
 ROW_WIDTH = 8
 SLOT_ROOM, SLOT_MAGIC, SLOT_DIGEST, SLOT_FIRST, SLOT_COUNT, SLOT_PAGES, SLOT_PAGE_SIZE, SLOT_CRC = (
     range(ROW_WIDTH)
@@ -156,6 +161,12 @@ def token_digest(room: int, token_ids: Sequence[int]) -> int:
 
     arr = np.asarray(token_ids, dtype=np.int64)
     return _h63(b"pdsafe-cov1", (int(room) & _U64).to_bytes(8, "little"), arr.tobytes())
+
+
+def bind_generation(digest: int, generation: int) -> int:
+    """Slot 2's value: the token digest bound to the transfer's generation (0: none travels)."""
+    return _h63(b"pdsafe-cov2", (int(digest) & _U64).to_bytes(8, "little"),
+                (int(generation) & _U64).to_bytes(8, "little"))
 
 
 def pages_for(first_token_idx: int, token_count: int, page_size: int) -> int:
@@ -267,7 +278,8 @@ def verify(row: Sequence[int], reservation: Coverage, rid: str = "?") -> Verdict
     extra = ""
     if differs == ("token_digest",):
         extra = (" Same length, but prefill computed the KV from other tokens than decode holds "
-                 "(chat template or tokenizer differs).")
+                 "(chat template or tokenizer differs), or the row was written for another "
+                 "transfer of this bootstrap room (another transfer generation).")
     return Verdict(Outcome.MISMATCH, (
         f"KV coverage mismatch for request {rid} (bootstrap_room={reservation.room}): prefill "
         f"wrote {_describe(att)}, decode reserved {_describe(reservation)} "
@@ -308,13 +320,35 @@ def reservation_of(decode_req: Any) -> Coverage | None:
     return getattr(decode_req, _RESERVATION_ATTR, None)
 
 
+def _prefill_generation(req: Any) -> int:
+    """The transfer generation the room's decode ranks sent (0: none travels; a split, which
+    the digest row refuses and counts, binds 0 too: decode then refuses this row as well)."""
+    sender = getattr(req, "disagg_kv_sender", None)
+    get = getattr(sender, "pdsafe_transfer_generation", None)
+    if get is None:
+        return 0
+    try:
+        return int(get())
+    except Exception:  # noqa: BLE001 - GenerationSplitError: counted by the digest row
+        return 0
+
+
+def _decode_generation(decode_req: Any) -> int:
+    """The transfer generation decode sent with the reservation's metadata (0: none)."""
+    get = getattr(getattr(decode_req, "kv_receiver", None), "pdsafe_transfer_generation", None)
+    return 0 if get is None else int(get())
+
+
 def attest_prefill_hook(metadata_buffers: Any, req: Any, end_idx: int, page_size: int) -> None:
-    """Prefill, at its last chunk, after upstream's ``set_buf``: write the attestation row."""
+    """Prefill, at its last chunk, after upstream's ``set_buf``: write the attestation row
+    (slot 2 bound to the generation the room's decode ranks sent)."""
     import torch
 
     first = int(getattr(req, "disagg_decode_prefix_len", 0) or 0)
     cov = build_coverage(req.bootstrap_room, req.origin_input_ids, first, int(end_idx),
                          int(page_size))
+    cov = replace(cov, token_digest=bind_generation(cov.token_digest,
+                                                                _prefill_generation(req)))
     buf = metadata_buffers.bootstrap_room
     row = encode(cov)
     buf[req.metadata_buffer_index, 1:ROW_WIDTH] = torch.tensor(
@@ -331,8 +365,10 @@ def check_commit_hook(transfer_queue: Any, decode_req: Any) -> Verdict:
             f"KV transfer refused for request {rid} (bootstrap_room={req.bootstrap_room}): "
             "decode recorded no reservation for it, so its coverage cannot be checked; the "
             "request was not decoded. This is an sglang-pdsafe bug: please report it."))
+    bound = replace(reservation, token_digest=bind_generation(
+        reservation.token_digest, _decode_generation(decode_req)))
     row = transfer_queue.metadata_buffers.bootstrap_room[decode_req.metadata_buffer_index]
-    return verify(row.tolist(), reservation, rid)
+    return verify(row.tolist(), bound, rid)
 
 
 def admit(transfer_queue: Any, decode_req: Any) -> bool:

@@ -384,6 +384,8 @@ def on_abort_message(kv_mgr: Any, msg: list[bytes]) -> None:
     notice = parse_abort(msg)
     if notice is None:
         return
+    if transfer_generation.abort_message_is_stale(kv_mgr, msg):
+        return  # an earlier reservation's ABORT: the backend drops it (counted there)
     room = notice.room
     kvpoll = _kvpoll()
     status = kv_mgr.pdsafe_room_status(room)

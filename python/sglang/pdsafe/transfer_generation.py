@@ -35,9 +35,14 @@ upstream's fixed frames, which stock parsers never read past):
   ``SGLANG_MOONCAKE_SEND_AUX_TCP``) and staging ``CHUNK_READY``, each with the generation that
   endpoint sent for the room (:func:`note_metadata` records it before anything else looks at
   the metadata);
-* the KV digest row (:mod:`sglang.pdsafe.kv_integrity`) binds it: prefill digests with the
-  room's generation (:func:`prefill_generation`), decode recomputes with its own, so a row from
-  another reservation of the room is a binding failure (500), never accepted.
+* ABORT and ABORT_ACK carry it in upstream's own generation frame (no frame of ours): a decode
+  arms the deferred release of a room whose metadata carried a generation with that generation
+  (:func:`abort_generation`, in place of upstream's per-manager counter), so its ABORT names
+  it and the prefill's drain ACK echoes it;
+* the KV digest row (:mod:`sglang.pdsafe.kv_integrity`) and the coverage attestation's token
+  digest (:mod:`sglang.pdsafe.coverage`) bind it: prefill writes them with the room's generation
+  (:func:`prefill_generation`), decode checks with its own, so a row from another reservation of
+  the room is a binding failure (500), never accepted.
 
 **Checks** (decode, each backend's control thread, before upstream acts on the message),
 dropped and counted by type (``stale_kv_status_dropped_total``,
@@ -52,7 +57,18 @@ dropped and counted by type (``stale_kv_status_dropped_total``,
   generation (another one, none, a malformed one are dropped); aux data must also name the
   reservation's own metadata slot;
 * a room whose metadata went without a generation (its prefill is a waived stock peer):
-  upstream's handling.
+  upstream's handling;
+* an ABORT_ACK that upstream's ``note_abort_ack`` ignores (no release of the room armed, or
+  one of another generation): counted (``stale_abort_ack_dropped_total``); it never released
+  a page.
+
+And prefill drops and counts (``stale_abort_dropped_total``) an ABORT naming a generation that
+an earlier metadata of the same decode endpoint carried for the room and a later one replaced
+(:func:`drops_stale_abort`): it would fail the room's live transfer and arm a drain ACK for a
+reservation that no longer holds it. An ABORT naming the current generation, none, or one this
+prefill never saw (a newer reservation whose metadata did not reach this rank) is upstream's:
+failing a transfer never hands KV to anyone, and withholding a drain ACK would keep the
+decode's pages quarantined.
 
 Prefill: when the decode ranks of the room's current transfer (the endpoints whose metadata the
 manager holds for it) named different generations (they broke lockstep),
@@ -60,10 +76,13 @@ manager holds for it) named different generations (they broke lockstep),
 counted in ``transfer_generation_split_total``.
 
 State: per decode KV manager, room -> :class:`Live` (written when the metadata goes out,
-dropped when the receiver is cleared, :func:`released`); per receiver, the generation minted
-and the one sent; per prefill KV manager, (room, endpoint, port) -> generation, bounded
-(:data:`MAX_ROOMS` rooms, oldest dropped: its later messages carry no generation and are
-dropped by the decode, which then fails the request at its own timeout; fail closed).
+dropped when the receiver is cleared, :func:`released`) and room -> the generation its latest
+metadata carried (kept past the release for the ABORT of a failed transfer, which upstream
+sends after clearing the receiver; bounded); per receiver, the generation minted and the one
+sent; per prefill KV manager, (room, endpoint, port) -> generation and the generations it
+replaced (:data:`RETIRED_PER_TARGET`), bounded (:data:`MAX_ROOMS` rooms, oldest dropped: its
+later messages carry no generation and are dropped by the decode, which then fails the
+request at its own timeout; fail closed).
 Transitions (decode, per room)::
 
     (none) --mint--> minted(g) --metadata out--> live(g, slot, sent) | live(0, unsent)
@@ -77,10 +96,11 @@ status, aux or chunk-ready message without that generation changes the reservati
 its metadata slot; prefill tags every such message with the generation the endpoint sent for
 the room, and digests with it.
 
-What it does not cover: ABORT / ABORT_ACK keep upstream's own generation (decode mints one
-per armed deferred release, ``register_deferred_abort_room``; the quarantine releases pages
-only on the ACK of that generation), and a stale ABORT can fail a live room of the same
-number on the prefill (a failed request, never a leak). One-sided KV writes carry nothing:
+What it does not cover: an ABORT without a generation (upstream sends one only for an armed
+release: an abort before the metadata went out) or from a decode endpoint whose metadata
+carried none can still fail a live room of the same number on the prefill (a failed request,
+never a leak; the room guard refuses a second live request of a room on each server).
+One-sided KV writes carry nothing:
 a late write lands where its old reservation pointed; the quarantine holds those pages
 until the drain is acknowledged. MORI does not carry the generation (it cannot run here);
 its rooms are handled as upstream does. Two decode servers with identical histories may mint
@@ -117,6 +137,8 @@ FRAME_PREFIX = b"PDSAFE_GEN1:"
 STALE_STATUS = "stale_kv_status_dropped_total"
 STALE_AUX = "stale_aux_data_dropped_total"
 STALE_CHUNK = "stale_chunk_ready_dropped_total"
+STALE_ABORT = "stale_abort_dropped_total"
+STALE_ABORT_ACK = "stale_abort_ack_dropped_total"
 SPLIT = "transfer_generation_split_total"
 FAILED = "transfer_generation_failed_total"
 #: Rooms a prefill manager remembers generations for (oldest forgotten first: fail closed).
@@ -141,6 +163,9 @@ require(_KV_MANAGER, "pdsafe_transfer_generation_wired", "pdsafe_room_status(boo
         "pdsafe_generation_frames(bootstrap_room, endpoint, dst_port)",
         "pdsafe_drops_stale_message(kind, msg)",
         "pdsafe_send_failed_status_tagged(bootstrap_room, endpoints, message)",
+        "pdsafe_abort_generation(bootstrap_room, fallback)",
+        "pdsafe_drops_stale_abort(notification)",
+        "pdsafe_note_stale_abort_ack(bootstrap_room, prefill_rank, generation)",
         why="transfer generations: prefill records and echoes the generation decode sent, "
             "decode drops control messages without it (issue 9, item 2)")
 require(_RECEIVER, "pdsafe_metadata_generation_frames()", "pdsafe_transfer_generation()",
@@ -212,6 +237,10 @@ class _DecodeRooms:
         self.lock = threading.Lock()
         self.rooms: dict[int, Live] = {}
         self.counter = itertools.count(1)
+        #: room -> the generation its latest metadata carried; kept past the release (the
+        #: ABORT of a failed transfer goes out after ``_clear``), replaced by the room's next
+        #: metadata, bounded (:data:`MAX_ROOMS`, oldest dropped).
+        self.last_sent: OrderedDict[int, int] = OrderedDict()
 
 
 def _decode_rooms(kv_mgr: Any) -> _DecodeRooms:
@@ -286,6 +315,13 @@ def metadata_frames(receiver: Any) -> list[bytes]:
             live = Live(0, None, False)
             send = False
         rooms.rooms[room] = Live(live.generation, live.aux_index, live.sent or send)
+        if send:
+            rooms.last_sent[room] = generation
+            rooms.last_sent.move_to_end(room)
+            while len(rooms.last_sent) > MAX_ROOMS:
+                rooms.last_sent.popitem(last=False)
+        elif not live.sent:
+            rooms.last_sent.pop(room, None)
     if not send:
         return []
     receiver._pdsafe_transfer_generation_sent = generation
@@ -413,10 +449,20 @@ def send_failed_status(kv_mgr: Any, room: int, endpoints: list[tuple[str, int]],
     return send(room, endpoints, message)
 
 
+#: Replaced generations a prefill remembers per (room, decode endpoint) (:func:`note_metadata`).
+RETIRED_PER_TARGET = 8
+
+
 class _PrefillRooms:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.rooms: OrderedDict[int, dict[tuple[str, int], int]] = OrderedDict()
+        #: room -> endpoint -> generations that endpoint sent for the room before its current
+        #: metadata replaced them (newest last); evicted with the room.
+        self.retired: dict[int, dict[tuple[str, int], tuple[int, ...]]] = {}
+        #: splits already counted: (room, generations), so a room is counted once however
+        #: many rows (coverage, digest) ask for its generation.
+        self.splits_counted: OrderedDict[tuple[int, frozenset[int]], None] = OrderedDict()
 
 
 def _prefill_rooms(kv_mgr: Any) -> _PrefillRooms:
@@ -441,13 +487,19 @@ def note_metadata(kv_mgr: Any, room: int, msg: Sequence[bytes]) -> None:
         if targets is None:
             targets = state.rooms[int(room)] = {}
             while len(state.rooms) > MAX_ROOMS:
-                state.rooms.popitem(last=False)
+                evicted, _ = state.rooms.popitem(last=False)
+                state.retired.pop(evicted, None)
         else:
             state.rooms.move_to_end(int(room))
+        previous = targets.get((endpoint, port))
         if carried is None or carried < 0:
             targets.pop((endpoint, port), None)
         else:
             targets[(endpoint, port)] = carried
+        if previous is not None and previous != carried:
+            retired = state.retired.setdefault(int(room), {})
+            old = retired.get((endpoint, port), ())
+            retired[(endpoint, port)] = (old + (previous,))[-RETIRED_PER_TARGET:]
 
 
 def _target_generation(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> int | None:
@@ -477,16 +529,126 @@ def status_frames(kv_mgr: Any, room: int, endpoint: Any, port: Any, *,
 def prefill_generation(kv_mgr: Any, room: int) -> int:
     """The generation the decode ranks of ``room``'s current transfer sent (those whose
     metadata the manager holds for it now: ``pdsafe_decode_endpoints``; 0: none sent one).
-    Raises :class:`GenerationSplitError` (counted) when they sent different ones."""
+    Raises :class:`GenerationSplitError` when they sent different ones (counted once per room
+    and set of generations, however many rows ask)."""
     current = {(_text(e), int(p)) for e, p in kv_mgr.pdsafe_decode_endpoints(int(room))}
     state = _prefill_rooms(kv_mgr)
     with state.lock:
         targets = state.rooms.get(int(room)) or {}
         gens = {g for key, g in targets.items() if key in current}
+        first_report = False
+        if len(gens) > 1:
+            key = (int(room), frozenset(gens))
+            first_report = key not in state.splits_counted
+            state.splits_counted[key] = None
+            while len(state.splits_counted) > MAX_ROOMS:
+                state.splits_counted.popitem(last=False)
     if len(gens) > 1:
-        metrics.inc(SPLIT)
+        if first_report:
+            metrics.inc(SPLIT)
         raise GenerationSplitError(
             f"the decode ranks of room {room} sent different transfer generations "
             f"{sorted(gens)} (their reservations are out of lockstep); the transfer is "
             "refused. Operators: restart the decode server and report it.")
     return gens.pop() if gens else 0
+
+
+# =========================================================================== ABORT / ABORT_ACK
+
+
+def abort_generation(kv_mgr: Any, room: int, fallback: int) -> int:
+    """Decode, arming a deferred release for ``room`` (upstream's
+    ``register_deferred_abort_room``): the generation its ABORT carries in upstream's generation
+    frame and its ABORT_ACKs must echo. The transfer generation the room's latest metadata
+    carried (kept past the receiver's release: a failed transfer's ABORT goes out after
+    ``_clear``), else ``fallback`` (upstream's per-manager counter: a stock prefill, or an abort
+    before any metadata went out). The room guard keeps one reservation of a room per decode
+    at a time, so the latest metadata is the aborted reservation's. A failing lookup gives
+    ``fallback`` (counted): the prefill treats that as a generation it never saw (accepts the
+    ABORT and acknowledges it)."""
+    try:
+        rooms = _decode_rooms(kv_mgr)
+        with rooms.lock:
+            sent = rooms.last_sent.get(int(room))
+    except Exception as e:  # noqa: BLE001 - counted; upstream's counter stands in
+        metrics.inc(FAILED)
+        logger.error("pdsafe transfer generation: no generation for the ABORT of room %s: "
+                     "%s: %s", room, type(e).__name__, e)
+        return int(fallback)
+    return int(sent) if sent else int(fallback)
+
+
+def _abort_fields(msg: Sequence[bytes]) -> tuple[int, str, int, int] | None:
+    """(room, decode host, decode port, generation) of an upstream ABORT message that names
+    all four, else None (quiet: upstream's parser logs malformed ones)."""
+    if len(msg) < 5 or bytes(msg[0]) != b"ABORT":
+        return None
+    try:
+        return (int(bytes(msg[1]).decode("ascii")), bytes(msg[2]).decode("ascii"),
+                int(bytes(msg[3]).decode("ascii")), int(bytes(msg[4]).decode("ascii")))
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _stale_abort_reason(kv_mgr: Any, room: int, host: Any, port: Any,
+                        generation: int | None) -> str | None:
+    """Why an ABORT for ``room`` from decode endpoint (host, port) naming ``generation`` is
+    stale, or None when it is not. Stale: ``generation`` is one that endpoint's earlier
+    metadata for the room carried and a later metadata replaced (an earlier reservation's
+    ABORT, replayed or late). Anything else is upstream's to handle, failing a transfer never
+    hands KV to anyone: an ABORT without a generation, or naming the current one, or one this
+    prefill never saw (a newer reservation whose metadata did not reach this rank, a partial
+    publish: its drain ACK must not be withheld, or the decode's pages stay quarantined)."""
+    if generation is None or host is None or port is None:
+        return None
+    key = (_text(host), int(port))
+    state = _prefill_rooms(kv_mgr)
+    with state.lock:
+        current = (state.rooms.get(int(room)) or {}).get(key)
+        retired = (state.retired.get(int(room)) or {}).get(key, ())
+    if int(generation) == current or int(generation) not in retired:
+        return None
+    now = "none" if current is None else str(current)
+    return (f"it names generation {generation}, which an earlier reservation of decode "
+            f"endpoint {key[0]}:{key[1]} used for the room; its current metadata carries {now}")
+
+
+def abort_message_is_stale(kv_mgr: Any, msg: Sequence[bytes]) -> bool:
+    """Prefill, on a raw ABORT message (peer release looks at it before upstream parses it):
+    True when :func:`drops_stale_abort` will drop it. Not counted here; never raises."""
+    try:
+        fields = _abort_fields(msg)
+        return fields is not None and _stale_abort_reason(kv_mgr, *fields) is not None
+    except Exception:  # noqa: BLE001 - the backend's own check counts and decides
+        return False
+
+
+@guarded("transfer_generation.drops_stale_abort", default=False, **_guard)
+def drops_stale_abort(kv_mgr: Any, notification: Any) -> bool:
+    """Prefill control thread, on an ABORT (upstream's parsed ``AbortNotification``), before
+    upstream fails the room or registers its drain ACK: True when it is dropped (counted in
+    ``stale_abort_dropped_total``). A stale ABORT (an earlier reservation's, replayed or
+    forged) would fail the room's live transfer and arm an ACK for a reservation that no
+    longer holds the room. A legitimate decode never sends one: it sends a reservation's
+    ABORT before it releases the room (``room_guard``), so before any later metadata of the
+    room on the same connection. A failing check accepts the ABORT (a failed transfer is
+    never a leak)."""
+    room = int(notification.room)
+    why = _stale_abort_reason(kv_mgr, room, notification.decode_ip, notification.decode_port,
+                              notification.generation)
+    if why is None:
+        return False
+    return _drop(STALE_ABORT, "ABORT", room, why)
+
+
+def stale_abort_ack(kv_mgr: Any, room: int, prefill_rank: int, generation: int) -> None:
+    """Decode, ``note_abort_ack`` ignored an ABORT_ACK: no deferred release of the room is
+    armed (a late or duplicated ACK after the release, or a forged one) or it is armed for
+    another generation (an earlier reservation's ACK). Upstream already ignores it (no page
+    is released by it); count and log it. Never raises."""
+    try:
+        _drop(STALE_ABORT_ACK, "ABORT_ACK", room,
+              f"prefill rank {prefill_rank} acknowledged generation {generation}, which holds "
+              "no deferred release of the room on this decode")
+    except Exception:  # noqa: BLE001 - counting only
+        pass
