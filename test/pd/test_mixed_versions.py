@@ -37,11 +37,11 @@ it pairs, before it announces itself or sends any metadata, so it refuses in bot
 
 * **prefill of another release, fork decode**: every request fails at once on both legs with
   the decode's refusal naming both versions (``wire_version: prefill='sglang-pdsafe-pair/2',
-  decode='sglang-pdsafe-pair/3'``), never a hang and never an HTTP 200; the decode counts the
+  decode='sglang-pdsafe-pair/4'``), never a hang and never an HTTP 200; the decode counts the
   prefill once (``pair_setting_mismatch``); the prefill refuses nothing (it never gets a
   decode's metadata); both servers keep running.
 * **fork prefill, decode of another release**: the same, with the versions the other way
-  round (``prefill='sglang-pdsafe-pair/3', decode='sglang-pdsafe-pair/2'``).
+  round (``prefill='sglang-pdsafe-pair/4', decode='sglang-pdsafe-pair/2'``).
 
 Pairing is refused over HTTP before either KV backend moves a byte, so these run on Mooncake
 only unless ``PDSAFE_FULL_BACKENDS=all`` (``pdsafe_testkit.backends.ci_backends``).

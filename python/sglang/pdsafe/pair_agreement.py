@@ -70,7 +70,10 @@ logger = logging.getLogger("sglang.pdsafe.pair_agreement")
 #: of /1 would misparse that announcement, so a /2 decode sends it to /2 prefills only.
 #: /3: decode metadata and every prefill message for it carry the transfer generation
 #: (``transfer_generation``); a /3 decode drops a status without it, so /2 pairs are refused.
-WIRE_VERSION = "sglang-pdsafe-pair/3"
+#: /4: the coverage row's token digest binds the transfer generation (layout 2) and ABORT /
+#: ABORT_ACK name it: a /3 leg would refuse every /4 row ("no attestation"), so /3 pairs are
+#: refused at pairing instead.
+WIRE_VERSION = "sglang-pdsafe-pair/4"
 ENV_ENABLE = "SGLANG_PDSAFE_PAIR_AGREEMENT"
 ENV_SKIP = "SGLANG_PDSAFE_PAIR_AGREEMENT_SKIP"
 MISMATCH = "pair_setting_mismatch_total"
