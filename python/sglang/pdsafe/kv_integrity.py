@@ -89,7 +89,6 @@ so a row written for another reservation of the same room never verifies (``BIND
 from __future__ import annotations
 
 import logging
-import os
 import struct
 from dataclasses import dataclass, replace
 from typing import Any
@@ -97,13 +96,12 @@ from typing import Any
 import xxhash
 from sglang.pdsafe import metrics
 from sglang.pdsafe.hook_api import is_mismatch, require
-from sglang.pdsafe.protections import Protection, is_pd, register
+from sglang.pdsafe.protections import Protection, is_pd, register, switch_on
 
 logger = logging.getLogger("sglang.pdsafe.kv_integrity")
 
 ENV_ENABLE = "SGLANG_PDSAFE_KV_DIGEST"
 PROTECTION = "kv-digest"
-_OFF = ("0", "false", "off", "no")
 
 ROW_WIDTH = 8
 (SLOT_TAG, SLOT_VALUE_HI, SLOT_VALUE_LO, SLOT_SIGNATURE, SLOT_ROOM, SLOT_GENERATION,
@@ -138,15 +136,11 @@ require("sglang.srt.disaggregation.base.conn.BaseKVManager",
             "covers other bytes than this rank's KV (kv-digest)")
 
 
-def _switch_on() -> bool:
-    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in _OFF
-
-
 def enabled(args: Any = None) -> bool:
     """Whether the digest runs on this leg (PD mode is the caller's business): on unless
     ``SGLANG_PDSAFE_KV_DIGEST=0``; upstream's ``--disaggregation-enable-kv-checksum`` in
     ``args`` (server args or the published ``disagg`` namespace) keeps it on regardless."""
-    return _switch_on() or bool(getattr(args, "disaggregation_enable_kv_checksum", False))
+    return switch_on(ENV_ENABLE) or bool(getattr(args, "disaggregation_enable_kv_checksum", False))
 
 
 def carrier_enabled(disagg: Any) -> bool:

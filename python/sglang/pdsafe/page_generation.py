@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,7 +70,7 @@ import numpy as np
 import torch
 from sglang.pdsafe import hook_api, metrics
 from sglang.pdsafe.hook_api import guarded
-from sglang.pdsafe.protections import Protection, is_pd, pd_mode, register
+from sglang.pdsafe.protections import Protection, is_pd, pd_mode, register, switch_on
 
 logger = logging.getLogger("sglang.pdsafe.page_generation")
 
@@ -80,7 +79,6 @@ MOVED = "page_generation_moved_total"
 SOURCE_MOVED = "page_generation_source_moved_total"
 SKIPPED = "page_generation_free_skipped_total"
 FAILED = "page_generation_failed_total"
-_OFF = ("0", "false", "off", "no")
 _RESERVATION_ATTR = "_pdsafe_page_generation_reservation"
 _SOURCE_ATTR = "_pdsafe_page_generation_source"
 _SHOWN_PAGES = 16  # pages named in a refusal message (the count is always complete)
@@ -119,7 +117,7 @@ hook_api.require(
 
 def enabled() -> bool:
     """Default on; ``SGLANG_PDSAFE_PAGE_GENERATION=0`` leaves upstream's bare free lists."""
-    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in _OFF
+    return switch_on(ENV_ENABLE)
 
 
 register(Protection(

@@ -60,7 +60,7 @@ from typing import Any
 
 from sglang.pdsafe import metrics, peer_policy
 from sglang.pdsafe.hook_api import attached, guarded, require
-from sglang.pdsafe.protections import Protection, is_pd, register
+from sglang.pdsafe.protections import Protection, is_pd, register, switch_on
 
 logger = logging.getLogger("sglang.pdsafe.pair_agreement")
 
@@ -102,7 +102,7 @@ _guard = {"failure_counter": FAILED}
 
 def enabled() -> bool:
     """Pair agreement is on unless ``SGLANG_PDSAFE_PAIR_AGREEMENT`` is 0/false/off/no."""
-    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in ("0", "false", "off", "no")
+    return switch_on(ENV_ENABLE)
 
 
 def skipped_fields() -> frozenset[str]:

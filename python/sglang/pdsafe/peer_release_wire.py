@@ -27,14 +27,13 @@ Off switch (default on): ``SGLANG_PDSAFE_PEER_RELEASE=0`` (logged as a warning a
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from sglang.pdsafe import metrics
-from sglang.pdsafe.protections import Protection, is_pd, register
+from sglang.pdsafe.protections import Protection, is_pd, register, switch_on
 
 logger = logging.getLogger("sglang.pdsafe.peer_release")
 
@@ -59,7 +58,7 @@ DECODE_ABORT_REASON = "the decode server aborted the request"
 
 def enabled() -> bool:
     """Peer release is on unless ``SGLANG_PDSAFE_PEER_RELEASE`` is 0/false/off/no."""
-    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in ("0", "false", "off", "no")
+    return switch_on(ENV_ENABLE)
 
 
 register(Protection(

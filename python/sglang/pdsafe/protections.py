@@ -8,6 +8,7 @@ startup log (and /server_info) always tells an operator exactly what guards this
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -55,6 +56,17 @@ PD_MODES: tuple[PDMode, ...] = ("prefill", "decode", "null")
 
 class PDModeUnknownError(RuntimeError):
     """The disaggregation mode of this process could not be determined."""
+
+
+#: Values (case-insensitive, surrounding blanks ignored) that turn a default-on switch off.
+OFF_VALUES = ("0", "false", "off", "no")
+
+
+def switch_on(env: str) -> bool:
+    """A default-on switch (every protection's off switch, upstream's deferred release):
+    False only when ``env`` is set to one of :data:`OFF_VALUES`; unset or anything else is on,
+    so a typo never turns a protection off."""
+    return os.environ.get(env, "1").strip().lower() not in OFF_VALUES
 
 
 def pd_mode(server_args: Any) -> PDMode:

@@ -72,7 +72,7 @@ from typing import Any
 
 from sglang.pdsafe import metrics
 from sglang.pdsafe.hook_api import attached, guarded
-from sglang.pdsafe.protections import Protection, pd_mode, register
+from sglang.pdsafe.protections import Protection, pd_mode, register, switch_on
 from sglang.pdsafe.room_guard import Refusal  # the PD doors' one refusal type
 
 logger = logging.getLogger("sglang.pdsafe.quarantine")
@@ -85,17 +85,16 @@ DEFAULT_LIMIT = 0.25
 FAILED = "quarantine_failed_total"
 LIMIT_STATUS = 503
 _REGISTRY_ATTR = "_pdsafe_quarantine"
-_OFF = ("0", "false", "off", "no")
 
 
 def enabled() -> bool:
     """Default on; ``SGLANG_PDSAFE_QUARANTINE=0`` restores upstream's timeout release."""
-    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in _OFF
+    return switch_on(ENV_ENABLE)
 
 
 def peer_gone_is_evidence() -> bool:
     """Default on; ``SGLANG_PDSAFE_QUARANTINE_PEER_GONE=0``: only a drain ACK releases."""
-    return os.environ.get(ENV_PEER_GONE, "1").strip().lower() not in _OFF
+    return switch_on(ENV_PEER_GONE)
 
 
 def limit_fraction() -> float:

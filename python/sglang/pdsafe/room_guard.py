@@ -65,7 +65,6 @@ Off switch (default on): ``SGLANG_PDSAFE_ROOM_GUARD=0`` (logged as a warning at 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -75,7 +74,14 @@ from typing import Any
 from sglang.pdsafe import metrics
 from sglang.pdsafe.admission import AdmissionError
 from sglang.pdsafe.hook_api import attached, guarded
-from sglang.pdsafe.protections import PDModeUnknownError, Protection, is_pd, pd_mode, register
+from sglang.pdsafe.protections import (
+    PDModeUnknownError,
+    Protection,
+    is_pd,
+    pd_mode,
+    register,
+    switch_on,
+)
 
 logger = logging.getLogger("sglang.pdsafe.room_guard")
 
@@ -93,7 +99,7 @@ _REGISTRY_ATTR = "_pdsafe_room_guard"
 
 def enabled() -> bool:
     """Default on; ``SGLANG_PDSAFE_ROOM_GUARD=0`` (or false/off/no) turns it off."""
-    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in ("0", "false", "off", "no")
+    return switch_on(ENV_ENABLE)
 
 
 register(Protection(

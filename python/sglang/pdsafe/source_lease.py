@@ -82,7 +82,7 @@ from typing import Any
 
 from sglang.pdsafe import metrics
 from sglang.pdsafe.hook_api import attached, guarded, require
-from sglang.pdsafe.protections import Protection, pd_mode, register
+from sglang.pdsafe.protections import Protection, pd_mode, register, switch_on
 
 logger = logging.getLogger("sglang.pdsafe.source_lease")
 
@@ -95,7 +95,6 @@ POISONED = "source_lease_poisoned_total"
 OVERDUE = "source_lease_overdue_total"
 RELEASED = "source_lease_released_drained_total"
 _REGISTRY_ATTR = "_pdsafe_source_leases"
-_OFF = ("0", "false", "off", "no")
 
 require("sglang.srt.disaggregation.common.conn.CommonKVManager",
         "pdsafe_fence_transfer_workers(fence)", "pdsafe_room_in_flight(bootstrap_room)",
@@ -109,12 +108,12 @@ require("sglang.srt.disaggregation.utils", "all_reduce_flags(flags, group, op)",
 
 def enabled() -> bool:
     """Default on; ``SGLANG_PDSAFE_SOURCE_LEASE=0`` restores upstream's immediate release."""
-    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in _OFF
+    return switch_on(ENV_ENABLE)
 
 
 def upstream_drain_accounting() -> bool:
     """Upstream's drain accounting (deferred decode KV release; default on): the evidence."""
-    return os.environ.get(UPSTREAM_DEFERRED_ENV, "1").strip().lower() not in _OFF
+    return switch_on(UPSTREAM_DEFERRED_ENV)
 
 
 def alarm_after_s() -> float:
