@@ -7,7 +7,8 @@ the decode pages are classified afterwards (OWN / FOREIGN(room) / POISON / STALE
 Invariants checked here:
 
 * a complete transfer puts this room's data, at the right position, into every reserved decode
-  page, for every layer's K and V, and decode commits it (Success, aux room matches);
+  page, for every layer's K and V, and decode commits it (Success, aux room matches) and
+  verifies it against prefill's KV digest (``test_kv_digest_bitflip.py``: the corruptions);
 * page reuse never lets another room's data survive in a page a complete transfer covered;
 * a coverage gap (prefill sends fewer tokens than decode reserved) leaves the tail unwritten;
   the transport still reports Success (stock 0.5.23, characterised in (3a)), so decode must not
@@ -47,6 +48,8 @@ def _assert_all_own(r: TransferResult) -> None:
     assert r.aux_room == r.room, r.describe()
     # Positive control of the commit gate: a complete transfer is attested and admitted.
     assert r.gate == "ok" and r.gate_commits, f"{r.gate_message}\n{r.describe()}"
+    # ... and of the KV digest (patch 0021): decode's own digest equals prefill's.
+    assert r.digest == "ok", f"{r.digest_message}\n{r.describe()}"
     assert len(r.verdicts) == -(-r.num_tokens // r.page_size), r.describe()
     for v in r.verdicts:
         layers = sorted((b.layer, b.kv) for b in v.buffers)

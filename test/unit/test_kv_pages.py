@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from pdsafe_testkit.kv.pages import (
+    BitFlip,
     PageKind,
+    apply_bit_flip,
     classify_pages,
     fill_data_pages,
     fill_poison_pages,
@@ -82,3 +84,30 @@ def test_corrupt_row_and_bad_arguments() -> None:
     assert v.buffers[2].kinds[1] is PageKind.CORRUPT and v.kind is PageKind.MIXED
     with pytest.raises(ValueError):
         _classify(bufs, [6], ROOM_A, PS + 1)
+
+
+def test_bit_flip_changes_exactly_one_bit_of_the_named_row() -> None:
+    """``apply_bit_flip`` (the KV harness's test-only corruption) flips the named bit of the
+    named byte of the named (layer, K/V, page, slot) row and nothing else; every header and
+    check word is covered, so the flipped row classifies CORRUPT; out-of-range flips raise."""
+    for byte in (0, 7, 8, 15, 16, 63):  # tag, owner, position and a check word
+        bufs = _pool()
+        fill_data_pages(bufs, LAYER_KV, [5, 2], PS, ROOM_A, 0, PS + 2)
+        before = [b.copy() for b in bufs]
+        flip = BitFlip(layer=1, kv=1, page=2, slot=1, byte=byte, bit=byte % 8)
+        old, new = apply_bit_flip(bufs, LAYER_KV, PS, flip)
+        assert old ^ new == 1 << flip.bit
+        diff = [(i, *map(int, np.argwhere(b != a)[0])) for i, (b, a) in
+                enumerate(zip(bufs, before, strict=True)) if (b != a).any()]
+        assert diff == [(3, 2 * PS + 1, byte // 8)]  # V1 is the 4th buffer; one word
+        assert int(np.count_nonzero(bufs[3].view(np.uint8) != before[3].view(np.uint8))) == 1
+        verdicts = _classify(bufs, [5, 2], ROOM_A, PS + 2)
+        assert verdicts[0].kind is PageKind.OWN
+        assert verdicts[1].buffers[3].kinds == (PageKind.OWN, PageKind.CORRUPT)
+        assert all(b.kind is PageKind.OWN for b in verdicts[1].buffers[:3])
+    bufs = _pool()
+    for bad in (BitFlip(0, 0, 1, PS, 0, 0), BitFlip(0, 0, 1, 0, 64, 0),
+                BitFlip(0, 0, 1, 0, 0, 8), BitFlip(2, 0, 1, 0, 0, 0),
+                BitFlip(0, 0, NUM_PAGES + 1, 0, 0, 0)):
+        with pytest.raises(ValueError):
+            apply_bit_flip(bufs, LAYER_KV, PS, bad)

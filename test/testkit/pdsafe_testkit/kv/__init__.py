@@ -15,9 +15,11 @@ from __future__ import annotations
 from pdsafe_testkit.backends import BACKENDS
 from pdsafe_testkit.kv.child import kv_child_env, write_stub_model_config
 from pdsafe_testkit.kv.pages import (
+    BitFlip,
     BufferVerdict,
     PageKind,
     PageVerdict,
+    apply_bit_flip,
     classify_pages,
     encode_rows,
     fill_data_pages,
@@ -33,6 +35,7 @@ __all__ = [
     "BACKENDS",
     "KVPOLL_NAMES",
     "AbortAt",
+    "BitFlip",
     "BufferVerdict",
     "HarnessError",
     "KVLane",
@@ -41,6 +44,7 @@ __all__ = [
     "PageVerdict",
     "SideOutcome",
     "TransferResult",
+    "apply_bit_flip",
     "classify_pages",
     "encode_rows",
     "fill_data_pages",

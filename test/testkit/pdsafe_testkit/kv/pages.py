@@ -35,9 +35,11 @@ __all__ = [
     "MAGIC_POISON",
     "MAGIC_STALE",
     "MIN_TOKEN_WORDS",
+    "BitFlip",
     "BufferVerdict",
     "PageKind",
     "PageVerdict",
+    "apply_bit_flip",
     "classify_pages",
     "encode_rows",
     "fill_data_pages",
@@ -193,6 +195,52 @@ def fill_data_pages(
                 arr.shape[1],
             )
             tok += row1 - row0
+
+
+@dataclass(frozen=True)
+class BitFlip:
+    """One bit of a pool row (test-only corruption): bit ``bit`` (0 = least significant) of
+    byte ``byte`` of the token row in slot ``slot`` of page ``page``, in layer ``layer``'s K
+    (``kv`` 0) or V (``kv`` 1) buffer. Bytes are the row's bytes in memory order (what the
+    transfer moves and the KV digest hashes), ``token_words * 8`` of them."""
+
+    layer: int
+    kv: int
+    page: int
+    slot: int
+    byte: int
+    bit: int
+
+    def describe(self) -> str:
+        return (f"{'KV'[self.kv]}@layer{self.layer} page {self.page} slot {self.slot} "
+                f"byte {self.byte} bit {self.bit}")
+
+
+def apply_bit_flip(
+    buffers: Sequence[Any],
+    layer_kv: Sequence[tuple[int, int]],
+    page_size: int,
+    flip: BitFlip,
+) -> tuple[int, int]:
+    """Flip ``flip``'s bit in place; returns the byte's value before and after.
+
+    ``buffers[i]`` is the pool buffer of ``layer_kv[i]`` (as in :func:`classify_pages`).
+    Raises ``ValueError`` for a flip outside the buffers (never wraps into another row).
+    """
+    try:
+        arr = _as_u64(buffers[list(layer_kv).index((flip.layer, flip.kv))])
+    except ValueError as e:
+        raise ValueError(f"no buffer for layer {flip.layer} kv {flip.kv}") from e
+    row_bytes = arr.shape[1] * 8
+    row = flip.page * page_size + flip.slot
+    if not (0 <= flip.slot < page_size and 0 <= row < arr.shape[0]
+            and 0 <= flip.byte < row_bytes and 0 <= flip.bit < 8):
+        raise ValueError(f"flip out of range: {flip.describe()} (page size {page_size}, "
+                         f"{arr.shape[0]} rows of {row_bytes} bytes)")
+    raw = arr[row].view(np.uint8)
+    before = int(raw[flip.byte])
+    raw[flip.byte] = before ^ (1 << flip.bit)
+    return before, int(raw[flip.byte])
 
 
 class PageKind(str, enum.Enum):

@@ -53,7 +53,7 @@ from typing import Any
 
 from pdsafe_testkit.backends import BACKENDS
 from pdsafe_testkit.kv.child import ChildConfig, kv_child_env, write_stub_model_config
-from pdsafe_testkit.kv.pages import MIN_TOKEN_WORDS
+from pdsafe_testkit.kv.pages import MIN_TOKEN_WORDS, BitFlip
 from pdsafe_testkit.kv.results import AbortAt, TransferResult, side_outcome
 from pdsafe_testkit.kv.rpc import Child, HarnessError, gather
 from pdsafe_testkit.loopback import reserve_port
@@ -330,6 +330,7 @@ class KVLane:
         timeout: float = 30.0,
         abort_observe_timeout: float | None = None,
         abort_ack_timeout: float = 5.0,
+        flips: Sequence[BitFlip] = (),
     ) -> TransferResult:
         """Run one request's KV transfer end to end and classify the decode pages.
 
@@ -342,6 +343,10 @@ class KVLane:
         ``timeout``) bounds the wait of the side that did NOT abort. A side that is still not
         terminal then is reported with its last state and ``terminal_at=None``, and is
         retired (``abort()`` + ``failure_exception()``, as its own timeout would).
+
+        Decode then runs the KV digest check of a transfer it commits (``digest``):
+        ``flips`` (test-only corruption, any bytes of decode's pool) are applied after the
+        commit, before that check; ``flipped_verdicts`` classify the pages after them.
         """
         prefill, decode = self.pair._children()
         lane = self.page_size
@@ -403,7 +408,8 @@ class KVLane:
                 # Retire both sides even when the run above failed, so rooms never leak.
                 if prefill.pending is None and decode.pending is None:
                     d_fin = decode.call(
-                        "recv_finish", margin, lane=lane, room=room, num_tokens=num_tokens
+                        "recv_finish", margin, lane=lane, room=room, num_tokens=num_tokens,
+                        flips=list(flips),
                     )
                     p_fin = prefill.call("send_finish", margin, lane=lane, room=room)
         except HarnessError as e:
@@ -445,6 +451,11 @@ class KVLane:
             verdicts=tuple(d_fin["verdicts"]),
             gate=d_fin["gate"],
             gate_message=d_fin["gate_message"],
+            digest=d_fin["digest"],
+            digest_message=d_fin["digest_message"],
+            digest_generation=d_fin["digest_generation"],
+            flips=tuple(tuple(f) for f in d_fin["flips"]),
+            flipped_verdicts=tuple(d_fin["flipped_verdicts"]),
         )
 
     def _run(

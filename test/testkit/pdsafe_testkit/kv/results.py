@@ -112,6 +112,18 @@ class TransferResult:
     #: ``ok``, ``mismatch``, ``missing`` or ``corrupt``; and its refusal message.
     gate: str = "missing"
     gate_message: str = ""
+    #: sglang-pdsafe's KV digest check (``sglang.pdsafe.kv_integrity``) of a transfer decode
+    #: commits: ``ok``, ``mismatch``, ``missing``, ``invalid``, ``failed``,
+    #: ``hook_api_mismatch`` (the counter it moved), ``not_committed`` (not checked: decode
+    #: does not commit it) or ``off`` (the digest is off on decode); its
+    #: refusal message; the transfer generation the digest was bound to.
+    digest: str = "off"
+    digest_message: str = ""
+    digest_generation: int | None = None
+    #: The test-only bit flips applied in decode's pool after commit, before the check:
+    #: (byte before, byte after) each; and the page verdicts re-read after them.
+    flips: tuple[tuple[int, int], ...] = ()
+    flipped_verdicts: tuple[PageVerdict, ...] = ()
 
     @property
     def decode_state(self) -> str:
@@ -168,7 +180,9 @@ class TransferResult:
             f"prefill_tokens={self.prefill_tokens} chunks={self.chunks} abort={self.abort.value}]"
             f" decode={self.decode.state} ({self.decode.failure_reason})"
             f" prefill={self.prefill.state} ({self.prefill.failure_reason})"
-            f" aux_room={self.aux_room} wall={self.wall_s * 1e3:.1f}ms pages: {pages}"
+            f" aux_room={self.aux_room} gate={self.gate} digest={self.digest}"
+            f"{f' ({self.digest_message})' if self.digest_message else ''}"
+            f" wall={self.wall_s * 1e3:.1f}ms pages: {pages}"
         )
 
 

@@ -2,14 +2,18 @@
 
 Runs in the children only (``child.Side`` builds one lane per page size). A *lane* is one page
 size: a published ``ServerArgs`` (``--device cpu``, transfer backend X), the backend's real KV
-manager (``get_kv_class(TransferBackend.X, KVClassType.MANAGER)``) over plain CPU torch tensors
-standing in for the KV pool, sglang's real ``MetadataBuffers`` as the aux buffers and, on
+manager (``get_kv_class(TransferBackend.X, KVClassType.MANAGER)``) over sglang's real
+``MHATokenToKVPool`` on the CPU, sglang's real ``MetadataBuffers`` as the aux buffers and, on
 prefill, the backend's real bootstrap server. Transfers use the real sender and receiver
 classes, driven the way ``disaggregation/prefill.py`` and ``decode.py`` drive them (``init`` /
 ``send_metadata`` / ``send`` / ``poll`` / ``abort`` / ``clear``), without a scheduler and
 without a model: the prefill "forward" writes a known pattern (``pages``) into its pages. The
 coverage attestation and commit gate (``sglang.pdsafe.coverage``) run exactly where the patched
-schedulers call them (patches 0004, 0014).
+schedulers call them (patches 0004, 0014), and so does the KV digest (patch 0021): prefill's
+chunks go through the patched ``send_kv_chunk`` itself (its last chunk writes the digest row,
+``kv_integrity.prefill_write_row``); decode keeps the row at commit (``kv_integrity.capture``)
+and checks it (``kv_integrity.verify_batch``) in ``cmd_recv_finish``, optionally after a
+test-only bit flip in its pool (``pages.BitFlip``).
 
 Each ``cmd_*`` method is one command of the parent (``rpc``); answers are plain data.
 
@@ -31,6 +35,8 @@ import numpy as np
 
 from pdsafe_testkit.kv.child import ChildConfig
 from pdsafe_testkit.kv.pages import (
+    BitFlip,
+    apply_bit_flip,
     classify_pages,
     fill_data_pages,
     fill_poison_pages,
@@ -49,6 +55,17 @@ __all__ = ["POLL_INTERVAL_S", "DecodeLane", "Lane", "PrefillLane", "poll_until"]
 
 #: Seconds between two polls of a sender/receiver (the scheduler polls once per loop).
 POLL_INTERVAL_S = 0.0005
+#: The ``req_to_token`` row of the request in flight (row 0 is the pool's padding row).
+REQ_POOL_IDX = 1
+#: The counters ``kv_integrity.verify_batch`` moves, and the digest outcome each names.
+_DIGEST_COUNTERS: dict[str, str] = {
+    "kv_digest_verified_total": "ok",
+    "kv_digest_mismatch_total": "mismatch",
+    "kv_digest_missing_total": "missing",
+    "kv_digest_invalid_total": "invalid",
+    "kv_digest_failed_total": "failed",
+    "hook_api_mismatch_total": "hook_api_mismatch",
+}
 
 
 def poll_until(
@@ -119,20 +136,58 @@ class Lane:
         # No torch.distributed here: there is no pipeline group to build (pp_size is 1).
         get_parallel().override_permanently(pp_group=None)
 
-        # KV "pool": MHA layout, all K layers then all V layers (get_contiguous_buf_infos).
+        # The KV pool: sglang's real MHATokenToKVPool on the CPU (NHD, one KV head of
+        # ``token_words * 4`` bf16 = ``token_words`` 64-bit words per token row), registered
+        # for the transfer the way the scheduler registers it (get_kv_transfer_buf_infos: all
+        # K layers, then all V layers). ``buffers`` are int64 views of the same memory, one
+        # per (layer, K/V), where ``pages`` writes and reads its self-describing rows.
+        from sglang.pdsafe import kv_integrity
+        from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+        self.pool = MHATokenToKVPool(
+            size=cfg.num_pages * page_size,
+            page_size=page_size,
+            dtype=torch.bfloat16,
+            head_num=1,
+            head_dim=cfg.token_words * 4,
+            layer_num=cfg.num_layers,
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
         rows = (cfg.num_pages + 1) * page_size
         self.layer_kv: list[tuple[int, int]] = [
             (layer, kv) for kv in (0, 1) for layer in range(cfg.num_layers)
         ]
         self.buffers = [
-            torch.zeros((rows, cfg.token_words), dtype=torch.int64) for _ in self.layer_kv
+            (self.pool.k_buffer if kv == 0 else self.pool.v_buffer)[layer]
+            .view(torch.uint8)
+            .reshape(rows, cfg.token_words * 8)
+            .view(torch.int64)
+            for layer, kv in self.layer_kv
         ]
+        kv_ptrs, kv_lens, kv_item_lens = get_kv_transfer_buf_infos(self.pool)
+        if kv_ptrs != [b.data_ptr() for b in self.buffers]:
+            raise RuntimeError("the pool registers its buffers in an unexpected order")
         self.item_len = page_size * cfg.token_words * 8
+        if set(kv_item_lens) != {self.item_len}:
+            raise RuntimeError(f"unexpected KV item lengths {kv_item_lens}")
+        # One request row (index 1; row 0 is the padding row): position -> KV slot of the
+        # request being digested (the harness runs one transfer at a time per lane).
+        self.req_to_token_pool = ReqToTokenPool(
+            size=1, max_context_len=rows, device="cpu", enable_memory_saver=False
+        )
+        # The KV digest (issue 10) as the patched PD queues set it up: on by default in PD
+        # mode (SGLANG_PDSAFE_KV_DIGEST=0 turns it off); the row carrier is the last aux
+        # buffer, allocated whenever the digest is on (``kv_integrity.carrier_enabled``).
+        self.kv_checksum_computer = kv_integrity.leg_digester(self.pool, self.server_args)
         self.metadata = MetadataBuffers(
             cfg.aux_slots,
             hidden_size=16,
             hidden_states_dtype=torch.float32,
             max_sampling_mask_tokens=self.server_args.sampling_mask_max_tokens,
+            kv_checksum_enabled=kv_integrity.carrier_enabled(self.server_args),
         )
         self.aux_alloc = ReqToMetadataIdxAllocator(cfg.aux_slots)
 
@@ -145,9 +200,9 @@ class Lane:
         kv_args.kv_layout = None
         kv_args.prefill_start_layer = 0
         kv_args.prefill_end_layer = cfg.num_layers
-        kv_args.kv_data_ptrs = [b.data_ptr() for b in self.buffers]
-        kv_args.kv_data_lens = [b.nbytes for b in self.buffers]
-        kv_args.kv_item_lens = [self.item_len for _ in self.buffers]
+        kv_args.kv_data_ptrs = kv_ptrs
+        kv_args.kv_data_lens = kv_lens
+        kv_args.kv_item_lens = kv_item_lens
         kv_args.num_draft_entries = 0
         kv_args.kv_layer_ids = []  # positional pairing, as build_kv_layer_ids gives for MHA
         if self.backend == TransferBackend.NIXL:
@@ -193,6 +248,18 @@ class Lane:
     def shutdown(self) -> None:
         pass
 
+    def set_request_row(self, pages: list[int], num_tokens: int) -> None:
+        """Fill row ``REQ_POOL_IDX`` of ``req_to_token`` for a request whose positions
+        ``[0, num_tokens)`` sit in ``pages`` (position ``t``: slot ``pages[t // ps] * ps +
+        t % ps``), as the scheduler's allocator would have."""
+        import torch
+
+        ps = self.page_size
+        slots = [pages[t // ps] * ps + t % ps for t in range(num_tokens)]
+        self.req_to_token_pool.req_to_token[REQ_POOL_IDX, :num_tokens] = torch.tensor(
+            slots, dtype=self.req_to_token_pool.req_to_token.dtype
+        )
+
     def _failure_reason(self, room: int) -> str | None:
         with self.mgr.failure_lock:
             return self.mgr.failure_records.get(room)
@@ -230,6 +297,7 @@ class PrefillLane(Lane):
         server_cls = self.get_kv_class(self.backend, self.KVClassType.BOOTSTRAP_SERVER)
         self.bootstrap_server = server_cls(host="127.0.0.1", port=self.bootstrap_port)
         self.plans: dict[int, SendPlan] = {}
+        self._chunk: tuple[SendPlan, int, int] | None = None  # the chunk being sent
 
     def shutdown(self) -> None:
         # Stop the server loop without close()'s 2 s thread join: the process exits next.
@@ -298,9 +366,14 @@ class PrefillLane(Lane):
     ) -> dict[str, Any]:
         """Forward + ``send`` up to ``max_chunks`` chunks, then optionally poll to terminal.
 
-        Each chunk's DATA rows are written right before its ``sender.send``; the last chunk
-        also writes the metadata row first (``set_buf``: first output id, bootstrap_room).
+        Each chunk's DATA rows are written (the "forward"), then the chunk goes through the
+        patched scheduler's own ``SchedulerDisaggregationPrefillMixin.send_kv_chunk`` with
+        this lane as its scheduler: at the last chunk it digests the request's KV into its
+        metadata row (``kv_integrity.prefill_write_row``, patch 0021), then calls
+        :meth:`_send_kv_chunk` (``set_buf``, the coverage attestation, ``sender.send``).
         """
+        from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+
         plan = self.plans[room]
         ps = self.page_size
         sent = 0
@@ -308,29 +381,60 @@ class PrefillLane(Lane):
             start, end = plan.segments[plan.next_segment]
             last = plan.next_segment == len(plan.segments) - 1
             fill_data_pages(self.buffers, self.layer_kv, plan.pages, ps, room, start, end)
+            req = SimpleNamespace(
+                rid=f"kv-harness-{room}",
+                bootstrap_room=room,
+                metadata_buffer_index=plan.aux_index,
+                origin_input_ids=request_token_ids(room, end),
+                disagg_decode_prefix_len=0,
+                extend_end=end,
+                kv=SimpleNamespace(req_pool_idx=REQ_POOL_IDX),
+                disagg_kv_sender=plan.sender,
+            )
             if last:
-                idx = plan.aux_index
-                self.metadata.output_ids[idx][0] = room % 32000
-                self.metadata.bootstrap_room[idx, 0] = room
-                # What the patched scheduler does after set_buf (patch 0014): attest exactly
-                # the positions [0, end) this prefill wrote.
-                from sglang.pdsafe import coverage
-
-                coverage.attest_prefill_hook(
-                    self.metadata,
-                    SimpleNamespace(bootstrap_room=room, metadata_buffer_index=idx,
-                                    origin_input_ids=request_token_ids(room, end),
-                                    disagg_decode_prefix_len=0),
-                    end, ps)
-            page_indices = np.asarray(plan.pages[start // ps : -(-end // ps)], dtype=np.int64)
-            # The scheduler passes state_indices=[] on the last chunk (no state types here).
-            plan.sender.send(page_indices, [] if last else None, num_kv_tokens=end - start)
+                self.set_request_row(plan.pages, end)
+            self._chunk = (plan, start, end)
+            try:
+                SchedulerDisaggregationPrefillMixin.send_kv_chunk(
+                    self, req, last_chunk=last, end_idx=end
+                )
+            finally:
+                self._chunk = None
             plan.next_segment += 1
             sent += 1
         result: dict[str, Any] = {"sent": sent, "remaining": len(plan.segments) - plan.next_segment}
         if wait_timeout is not None:
             result.update(self.cmd_send_wait_terminal(room, wait_timeout))
         return result
+
+    @property
+    def disagg_metadata_buffers(self) -> Any:
+        """The scheduler attribute ``prefill_write_row`` writes the digest row into."""
+        return self.metadata
+
+    def _send_kv_chunk(
+        self, req: Any, last_chunk: bool = False, end_idx: int | None = None
+    ) -> None:
+        """The scheduler's ``_send_kv_chunk`` for the chunk ``cmd_send_run`` is sending.
+
+        Last chunk: the metadata row (``set_buf``: first output id, bootstrap_room), then
+        what the patched scheduler does after ``set_buf`` (patch 0014): attest exactly the
+        positions ``[0, end)`` this prefill wrote. Then ``sender.send`` of the chunk's pages.
+        """
+        if self._chunk is None:
+            raise RuntimeError("_send_kv_chunk outside cmd_send_run")
+        plan, start, end = self._chunk
+        ps = self.page_size
+        if last_chunk:
+            idx = plan.aux_index
+            self.metadata.output_ids[idx][0] = req.bootstrap_room % 32000
+            self.metadata.bootstrap_room[idx, 0] = req.bootstrap_room
+            from sglang.pdsafe import coverage
+
+            coverage.attest_prefill_hook(self.metadata, req, end, ps)
+        page_indices = np.asarray(plan.pages[start // ps : -(-end // ps)], dtype=np.int64)
+        # The scheduler passes state_indices=[] on the last chunk (no state types here).
+        plan.sender.send(page_indices, [] if last_chunk else None, num_kv_tokens=end - start)
 
     def cmd_send_wait_terminal(self, room: int, timeout: float) -> dict[str, Any]:
         plan = self.plans[room]
@@ -444,11 +548,20 @@ class DecodeLane(Lane):
             time.sleep(POLL_INTERVAL_S)
         return None
 
-    def cmd_recv_finish(self, room: int, num_tokens: int) -> dict[str, Any]:
+    def cmd_recv_finish(
+        self, room: int, num_tokens: int, flips: list[BitFlip] | None = None
+    ) -> dict[str, Any]:
         """Classify the request's pages and read its aux row, then retire the receiver.
 
         Not terminal: ``abort()`` first (as the waiting timeout does). Failed:
         ``failure_exception()``. Always clears deferred-abort state and frees the slot.
+
+        A transfer decode commits (Success and the commit gate passed) then goes through the
+        KV digest as the patched decode does (patch 0021): ``kv_integrity.capture`` keeps
+        prefill's row at commit, before the slot is freed; then ``flips`` (test-only
+        corruption of decode's pool, after the transfer) are applied and the pages classified
+        again; then ``kv_integrity.verify_batch``, what ``_verify_kv_checksums`` runs when the
+        request first enters a batch, checks it (see :meth:`_digest_check`).
         """
         st = self.recvs.pop(room)
         receiver = st.receiver
@@ -467,13 +580,17 @@ class DecodeLane(Lane):
 
         decode_req = SimpleNamespace(
             req=SimpleNamespace(rid=f"kv-harness-{room}", bootstrap_room=room, output_ids=[],
-                                origin_input_ids=request_token_ids(room, num_tokens)),
-            metadata_buffer_index=st.aux_index)
+                                origin_input_ids=request_token_ids(room, num_tokens),
+                                kv=SimpleNamespace(req_pool_idx=REQ_POOL_IDX,
+                                                   cache_protected_len=0)),
+            metadata_buffer_index=st.aux_index, kv_receiver=receiver)
         coverage.note_reservation_hook(decode_req, st.pages, self.page_size, 0, num_tokens)
         gate = coverage.check_commit_hook(SimpleNamespace(metadata_buffers=self.metadata),
                                           decode_req)
         state = int(receiver.poll())
         reason = self._failure_reason(room)
+        committed = state == KVPOLL_SUCCESS and gate.outcome.value == "ok"
+        digest = self._digest_check(decode_req, st.pages, num_tokens, committed, flips or [])
         if state == KVPOLL_SUCCESS:
             receiver.clear()
         else:
@@ -493,6 +610,60 @@ class DecodeLane(Lane):
             "gate": gate.outcome.value,
             "gate_message": gate.message,
             "verdicts": verdicts,
+            **digest,
         }
 
+    def _digest_check(
+        self,
+        decode_req: Any,
+        pages: list[int],
+        num_tokens: int,
+        committed: bool,
+        flips: list[BitFlip],
+    ) -> dict[str, Any]:
+        """The decode leg of the KV digest for one request, by the fork's own functions.
 
+        ``kv_integrity.capture`` (``_commit_transfer_to_req``), then the ``flips``, then
+        ``kv_integrity.verify_batch`` with this lane as the scheduler (its
+        ``req_to_token_pool`` row of the request, the real manager as the prealloc queue's
+        ``kv_manager``). The outcome is named by the counter the check moved (``ok`` for
+        ``kv_digest_verified_total``); ``off`` when the digest is off on this leg,
+        ``not_committed`` when decode would not commit (nothing is checked then, as in the
+        scheduler). Flips are applied only to a committed transfer.
+        """
+        if self.kv_checksum_computer is None:
+            return {"digest": "off", "digest_message": "", "digest_generation": None,
+                    "flips": [], "flipped_verdicts": []}
+        if not committed:
+            return {"digest": "not_committed", "digest_message": "", "digest_generation": None,
+                    "flips": [], "flipped_verdicts": []}
+        from sglang.pdsafe import kv_integrity, metrics
+
+        kv_integrity.capture(SimpleNamespace(metadata_buffers=self.metadata), decode_req,
+                             fake=False)
+        generation = int(decode_req.kv_receiver.pdsafe_transfer_generation())
+        applied = [
+            apply_bit_flip(self.buffers, self.layer_kv, self.page_size, f) for f in flips
+        ]
+        flipped_verdicts = (
+            classify_pages(self.buffers, self.layer_kv, page_size=self.page_size, pages=pages,
+                           room=decode_req.req.bootstrap_room, num_tokens=num_tokens)
+            if flips else []
+        )
+        self.set_request_row(pages, num_tokens)
+        before = {name: metrics.value(name) for name in _DIGEST_COUNTERS}
+        scheduler = SimpleNamespace(
+            req_to_token_pool=self.req_to_token_pool,
+            disagg_decode_prealloc_queue=SimpleNamespace(kv_manager=self.mgr),
+        )
+        refused = kv_integrity.verify_batch(scheduler, [decode_req.req],
+                                            self.kv_checksum_computer)
+        moved = [name for name in _DIGEST_COUNTERS if metrics.value(name) != before[name]]
+        if len(moved) != 1:
+            raise RuntimeError(f"the digest check moved counters {moved}, expected one")
+        outcome = _DIGEST_COUNTERS[moved[0]]
+        if (outcome == "ok") != (not refused):
+            raise RuntimeError(f"digest outcome {outcome} but refused={dict(refused)}")
+        return {"digest": outcome, "digest_message": refused.get(0, ""),
+                "digest_generation": generation, "flips": applied,
+                "flipped_verdicts": flipped_verdicts}
