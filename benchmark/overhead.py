@@ -136,15 +136,18 @@ def _spread(xs: list[float]) -> dict[str, float | None]:
             "stdev": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
 
 
-def summarize(bursts: Sequence[Burst], workloads: Sequence[str]) -> dict[str, Any]:
-    """Ratios fork/base per workload: per repetition, their spread, and pooled (pure)."""
+def summarize(bursts: Sequence[Burst], workloads: Sequence[str], *, num: str = "fork",
+              den: str = "base") -> dict[str, Any]:
+    """Ratios ``num``/``den`` (variant labels of the bursts; fork/base by default) per
+    workload: per repetition, their spread, and pooled (pure). A repetition missing either
+    variant's burst contributes no ratio; ``absolute`` is keyed by ``den`` and ``num``."""
     out: dict[str, Any] = {}
     for w in workloads:
         by = {(b.variant, b.rep): b for b in bursts if b.workload == w}
         reps = sorted({rep for (_, rep) in by})
         per_rep: dict[str, list[float]] = {m: [] for m in METRICS}
         for rep in reps:
-            fb, bb = by.get(("fork", rep)), by.get(("base", rep))
+            fb, bb = by.get((num, rep)), by.get((den, rep))
             if fb is None or bb is None:
                 continue
             fs, bs = fb.stats, bb.stats
@@ -154,7 +157,7 @@ def summarize(bursts: Sequence[Burst], workloads: Sequence[str]) -> dict[str, An
                     per_rep[m].append(r)
         pooled: dict[str, float | None] = {}
         absolute: dict[str, dict[str, float | None]] = {}
-        for v in ("base", "fork"):
+        for v in (den, num):
             bs_v = [b for b in bursts if b.workload == w and b.variant == v]
             wall = sum(b.wall_s for b in bs_v)
             absolute[v] = {
@@ -164,7 +167,7 @@ def summarize(bursts: Sequence[Burst], workloads: Sequence[str]) -> dict[str, An
                 "itl_p50_s": percentile([x for b in bs_v for x in b.itl_s], 0.5),
             }
         for m in METRICS:
-            pooled[m] = _ratio(absolute["fork"][m], absolute["base"][m])
+            pooled[m] = _ratio(absolute[num][m], absolute[den][m])
         out[w] = {"ratios": {m: _spread(per_rep[m]) for m in METRICS}, "pooled": pooled,
                   "absolute": absolute, "reps": len(reps)}
     return out

@@ -355,10 +355,17 @@ class Harness:
             cm.__exit__(None, None, None)
 
     @contextlib.contextmanager
-    def stack(self, variant: str, backend: str, page_size: int, kind: str):
-        """Start one PD stack of ``kind`` for ``variant``; yield its ``PDTarget``; stop it."""
-        k = STACK_KINDS[kind]
+    def stack(self, variant: str, backend: str, page_size: int, kind: str | StackKind, *,
+              env: dict[str, str] | None = None):
+        """Start one PD stack of ``kind`` (a ``STACK_KINDS`` name, or a ``StackKind`` of the
+        caller's own) for ``variant``; yield its ``PDTarget``; stop it. ``env``: extra
+        environment for both legs (after the variant's own; e.g. a pdsafe setting that both
+        legs must agree on); not supported for the ``late_write`` stack."""
+        k = kind if isinstance(kind, StackKind) else STACK_KINDS[kind]
+        kind = k.name
         if k.late_write_trio:
+            if env:
+                raise ValueError("extra env is not supported for the late_write stack")
             with self._late_write_stack(variant, backend, page_size, kind) as target:
                 yield target
             return
@@ -369,14 +376,15 @@ class Harness:
                 tpl = self.log_dir / f"chat-template-{role}.jinja"
                 tpl.write_text(chat_template_text(CHAT_SUFFIX[role], word_vocab(self.model)))
                 extra = ["--chat-template", str(tpl)]
-            env = dict(self.env(variant))
+            env_ = dict(self.env(variant))
+            env_.update(env or {})
             if role == "decode" and k.decode_faults:
-                env["SGLANG_PDSAFE_TEST_FAULTS"] = k.decode_faults
+                env_["SGLANG_PDSAFE_TEST_FAULTS"] = k.decode_faults
             return ServerConfig(role=role, model_path=self.model, backend=backend,
                                 max_total_tokens=pool, page_size=page_size,
                                 context_length=k.context_length(role),
                                 allow_auto_truncate=k.auto_truncate, extra_args=extra,
-                                env=env)
+                                env=env_)
 
         with pd_stack(backend, self.log_dir, prefill=cfg("prefill", k.prefill_pool),
                       decode=cfg("decode", k.decode_pool), with_router=k.router) as st:

@@ -24,6 +24,15 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(raw)
 
+    def _text(self, code: int, text: str) -> None:
+        """A complete plain-text answer (a fake ``/metrics`` page)."""
+        raw = text.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
 
 def answer_of(prompt: list[int], n: int) -> list[int]:
     """The fake model (and the fake reference): copy the token 16 positions back."""

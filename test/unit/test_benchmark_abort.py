@@ -176,11 +176,7 @@ def _handler(world: World, role: str) -> type[BaseHTTPRequestHandler]:
             elif self.path.startswith("/metrics"):
                 text = (f'sglang:per_stage_req_latency_seconds_count{{stage="decode_transferred"}}'
                         f" {world.commits}\nsglang:kv_transfer_total_mb_count {world.sends}\n")
-                raw = text.encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+                self._text(200, text)
             else:
                 self._json(404, {})
 

@@ -137,13 +137,9 @@ def _handler(world: World, role: str) -> type[BaseHTTPRequestHandler]:
                 self._json(200, {"max_total_num_tokens": 1024, "context_length": 1024,
                                  "version": "0.5.23+pdsafe.1"})
             elif self.path.startswith("/metrics"):
-                raw = (f'sglang:per_stage_req_latency_seconds_count{{stage="decode_transferred"}}'
-                       f" {world.commits}\nsglang:kv_transfer_total_mb_count {world.sends}\n"
-                       ).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+                self._text(200, 'sglang:per_stage_req_latency_seconds_count'
+                                f'{{stage="decode_transferred"}} {world.commits}\n'
+                                f"sglang:kv_transfer_total_mb_count {world.sends}\n")
             else:
                 self._json(200, {})
 
