@@ -50,6 +50,7 @@ ROWS=(
   "late-write|0019|test/pd/test_late_write.py -k fork_keeps"
   "kv-digest-unit|0021|test/unit/test_kv_integrity_wiring.py"
   "kv-digest-e2e|0021|test/pd/test_kv_digest_e2e.py -k mooncake"
+  "kv-digest-bitflip|0021|test/kv/test_kv_digest_bitflip.py -k mooncake"
   "write-fence-unit|0020|test/unit/test_write_fence.py"
   "peer-capability-unit|0022|test/unit/test_peer_capability.py"
   "source-lease-unit|0023|test/unit/test_source_lease.py"
