@@ -4,7 +4,9 @@ these in place of real servers): a JSON-answering handler base and the fake mode
 from __future__ import annotations
 
 import json
-from http.server import BaseHTTPRequestHandler
+import threading
+from collections.abc import Hashable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
@@ -32,6 +34,26 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()
         self.wfile.write(raw)
+
+
+class FakeServers:
+    """One threading HTTP server per key, each on a free loopback port and served by a daemon
+    thread from construction until :meth:`close`."""
+
+    def __init__(self, handlers: Mapping[Hashable, type[BaseHTTPRequestHandler]]) -> None:
+        self.servers = {k: ThreadingHTTPServer(("127.0.0.1", 0), h) for k, h in handlers.items()}
+        for s in self.servers.values():
+            s.daemon_threads = True
+            threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.05},
+                             daemon=True).start()
+
+    def url(self, key: Hashable) -> str:
+        return f"http://127.0.0.1:{self.servers[key].server_address[1]}"
+
+    def close(self) -> None:
+        for s in self.servers.values():
+            s.shutdown()
+            s.server_close()
 
 
 def answer_of(prompt: list[int], n: int) -> list[int]:

@@ -21,7 +21,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from types import SimpleNamespace
 from typing import Any
 
@@ -48,7 +48,7 @@ from benchmark.scenarios import (
 )
 from benchmark.targets import PARK_COMMIT_S, STACK_KINDS, PDTarget
 
-from ._fake_http import JsonHandler, answer_of
+from ._fake_http import FakeServers, JsonHandler, answer_of
 
 NAMES = ("abort-bootstrap", "abort-prealloc", "abort-mid-transfer",
          "abort-after-transfer-before-commit", "abort-during-decode")
@@ -283,14 +283,10 @@ class FakePair:
 
     def __init__(self, world: World) -> None:
         self.world = world
-        self.servers = {r: ThreadingHTTPServer(("127.0.0.1", 0), _handler(world, r))
-                        for r in ("prefill", "decode", "router")}
-        for s in self.servers.values():
-            s.daemon_threads = True
-            threading.Thread(target=s.serve_forever, daemon=True).start()
+        self.http = FakeServers({r: _handler(world, r) for r in ("prefill", "decode", "router")})
 
     def url(self, role: str) -> str:
-        return f"http://127.0.0.1:{self.servers[role].server_address[1]}"
+        return self.http.url(role)
 
     def ctx(self, bound_s: float = 5.0) -> Ctx:
         log = SimpleNamespace(log_text=lambda: "\n".join(self.world.log))
@@ -315,9 +311,7 @@ class FakePair:
         return ctx
 
     def close(self) -> None:
-        for s in self.servers.values():
-            s.shutdown()
-            s.server_close()
+        self.http.close()
 
 
 @pytest.fixture

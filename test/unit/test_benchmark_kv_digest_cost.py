@@ -14,7 +14,7 @@ import json
 import random
 import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from benchmark.overhead import Burst, OverheadPlan, summarize
 from benchmark.scenarios import Knobs, Reference
 from benchmark.targets import PDTarget
 
-from ._fake_http import JsonHandler, answer_of
+from ._fake_http import FakeServers, JsonHandler, answer_of
 
 # ----------------------------------------------------------------------------- command line
 
@@ -211,15 +211,11 @@ def _handler(st: Stack, role: str) -> type[BaseHTTPRequestHandler]:
 class FakeStacks:
     def __init__(self, stacks: dict[str, Stack]) -> None:
         self.stacks = stacks
-        self.servers = {(v, r): ThreadingHTTPServer(("127.0.0.1", 0), _handler(st, r))
-                        for v, st in stacks.items() for r in ("prefill", "decode", "router")}
-        for s in self.servers.values():
-            s.daemon_threads = True
-            threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.05},
-                             daemon=True).start()
+        self.http = FakeServers({(v, r): _handler(st, r) for v, st in stacks.items()
+                                 for r in ("prefill", "decode", "router")})
 
     def url(self, v: str, role: str) -> str:
-        return f"http://127.0.0.1:{self.servers[(v, role)].server_address[1]}"
+        return self.http.url((v, role))
 
     def targets(self) -> dict[str, PDTarget]:
         return {v: PDTarget("fork", "mooncake", 1, kdc.STACK.name, self.url(v, "prefill"),
@@ -227,9 +223,7 @@ class FakeStacks:
                             CanaryBook(512)) for v in self.stacks}
 
     def close(self) -> None:
-        for s in self.servers.values():
-            s.shutdown()
-            s.server_close()
+        self.http.close()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import json
 import random
 import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
@@ -36,7 +36,7 @@ from benchmark.scenarios import (
 )
 from benchmark.targets import PDTarget
 
-from ._fake_http import JsonHandler, answer_of
+from ._fake_http import FakeServers, JsonHandler, answer_of
 
 REF = [10, 11, 12, 13]
 
@@ -177,14 +177,11 @@ def _handler(world: World, role: str) -> type[BaseHTTPRequestHandler]:
 class FakePair:
     def __init__(self, mode: str) -> None:
         self.world = World(mode)
-        self.servers = {r: ThreadingHTTPServer(("127.0.0.1", 0), _handler(self.world, r))
-                        for r in ("prefill", "decode", "router")}
-        for s in self.servers.values():
-            s.daemon_threads = True
-            threading.Thread(target=s.serve_forever, daemon=True).start()
+        self.http = FakeServers({r: _handler(self.world, r)
+                                 for r in ("prefill", "decode", "router")})
 
     def url(self, role: str) -> str:
-        return f"http://127.0.0.1:{self.servers[role].server_address[1]}"
+        return self.http.url(role)
 
     def ctx(self) -> Ctx:
         t = PDTarget("fork", "mooncake", 1, "default", self.url("prefill"), self.url("decode"),
@@ -195,9 +192,7 @@ class FakePair:
                    random.Random(0))
 
     def close(self) -> None:
-        for s in self.servers.values():
-            s.shutdown()
-            s.server_close()
+        self.http.close()
 
 
 @pytest.fixture
