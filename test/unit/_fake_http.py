@@ -26,6 +26,11 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(raw)
 
+    def _server_info(self, tokens: int) -> None:
+        """A fork server's ``/server_info``: a ``tokens``-token pool and context."""
+        self._json(200, {"max_total_num_tokens": tokens, "context_length": tokens,
+                         "version": "0.5.23+pdsafe.1"})
+
     def _text(self, code: int, text: str) -> None:
         """A complete plain-text answer (a fake ``/metrics`` page)."""
         raw = text.encode()

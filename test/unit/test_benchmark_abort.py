@@ -169,8 +169,7 @@ def _handler(world: World, role: str) -> type[BaseHTTPRequestHandler]:
                                        "decode_transfer_queue_reqs": n if role == "decode"
                                        else 0}}]})
             elif self.path.startswith("/server_info"):
-                self._json(200, {"max_total_num_tokens": 1024, "context_length": 1024,
-                                 "version": "0.5.23+pdsafe.1"})
+                self._server_info(1024)
             elif self.path.startswith("/model_info"):
                 self._json(200, {})
             elif self.path.startswith("/metrics"):

@@ -166,8 +166,7 @@ def _handler(st: Stack, role: str) -> type[BaseHTTPRequestHandler]:
     class H(JsonHandler):
         def do_GET(self) -> None:
             if self.path.startswith("/server_info"):
-                self._json(200, {"max_total_num_tokens": 4096, "context_length": 4096,
-                                 "version": "0.5.23+pdsafe.1"})
+                self._server_info(4096)
             elif self.path.startswith("/model_info"):
                 self._json(200, {"max_prompt_tokens": 300})
             elif self.path.startswith("/metrics"):

@@ -134,8 +134,7 @@ def _handler(world: World, role: str) -> type[BaseHTTPRequestHandler]:
     class H(JsonHandler):
         def do_GET(self) -> None:
             if self.path.startswith("/server_info"):
-                self._json(200, {"max_total_num_tokens": 1024, "context_length": 1024,
-                                 "version": "0.5.23+pdsafe.1"})
+                self._server_info(1024)
             elif self.path.startswith("/metrics"):
                 self._text(200, 'sglang:per_stage_req_latency_seconds_count'
                                 f'{{stage="decode_transferred"}} {world.commits}\n'
