@@ -34,7 +34,12 @@ class _Obj:
 
 def test_guard_trusts_only_server_built_requests():
     spoof = _Obj(host=FAKE, rid="HEALTH_CHECK_1")
-    client_guard.check_client_request(spoof, None)  # in-process (warmup.py, Engine)
+    with client_guard.server_internal():  # the server's own warmups (execute_warmups)
+        client_guard.check_client_request(spoof, None)
+    # An in-process caller that passes no HTTP request (the offline Engine, the gRPC bridge)
+    # is a client like any other: no request object is no proof the server built it.
+    with pytest.raises(client_guard.SpoofedInternalFieldError):
+        client_guard.check_client_request(spoof, None)
     client_guard.check_client_request(spoof, _Req("/health_generate", "GET"))
     client_guard.check_client_request(spoof, _Req(headers=client_guard.internal_headers()))
     for req in (_Req(), _Req("/health_generate", "POST"),

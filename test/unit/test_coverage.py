@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from sglang.pdsafe import coverage as cov
-from sglang.pdsafe import metrics
+from sglang.pdsafe import metrics, transfer
 
 ROOM = 0x1234_5678_9ABC
 TOKENS = list(range(10, 115))  # 105 tokens
@@ -129,14 +129,10 @@ def test_protection_registered_and_log_mode(monkeypatch, caplog):
     args = SimpleNamespace(disaggregation_mode="decode")
     assert protections.status(args)["coverage-attestation"] is True
     monkeypatch.setenv(cov.ENV_MODE, "log")
-    # About the OFF warning only: the startup hook's hook-API self-check needs the later
-    # patches' API (test/unit/test_startup_report.py covers it), and --each-patch runs this
-    # test with the series applied only up to the coverage patch.
-    from sglang.pdsafe import hook_api
+    from sglang.pdsafe import startup
 
-    monkeypatch.setattr(hook_api, "self_check", lambda server_args, reqs=None: None)
     with caplog.at_level(logging.WARNING, logger="sglang.pdsafe"):
-        assert protections.log_startup(args)["coverage-attestation"] is False
+        assert startup.report(args)["coverage-attestation"] is False
     assert any("coverage-attestation" in r.getMessage() and "OFF" in r.getMessage()
                for r in caplog.records)
 
@@ -220,7 +216,7 @@ def test_admit_aborts_with_500_and_counts(monkeypatch):
 
 def test_admit_without_reservation_fails_closed():
     dq, dreq = _roundtrip(TOKENS, TOKENS)
-    del dreq._pdsafe_coverage_reservation
+    transfer.of(dreq.req).coverage = None
     before = metrics.value("coverage_attestation_invalid_total")
     assert cov.admit(dq, dreq) is False
     assert metrics.value("coverage_attestation_invalid_total") == before + 1

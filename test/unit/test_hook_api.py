@@ -1,28 +1,20 @@
-"""The named hook API guard and the startup self-check (``sglang.pdsafe.hook_api``), no servers.
+"""The named hook API and the startup self-check (``sglang.pdsafe.hook_api``), no servers.
 
-A hook that fails because upstream changed shape must be its own counter and an ERROR naming
-the hook, not an ordinary failure; a PD server whose upstream lacks a hook target must refuse to
-start, naming every missing member.
+A hook that fails because upstream changed shape must be its own counter (the failure policy's
+guard, ``test_policy.py``, counts it there), not an ordinary failure; a PD server whose upstream
+lacks a hook target must refuse to start, naming every missing member.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
 from types import SimpleNamespace
 
 import pytest
-from sglang.pdsafe import hook_api, metrics
-from sglang.pdsafe.hook_api import HookAPIError, Requirement, guarded
+from sglang.pdsafe import hook_api, metrics, startup
+from sglang.pdsafe.hook_api import HookAPIError, Requirement
 
 FAILED = "peer_release_notify_failed_total"
 MISMATCH = hook_api.MISMATCH_COUNTER
-_names = itertools.count()
-
-
-def _hook_name() -> str:
-    """A fresh hook name per case: the guard rate-limits its log per hook name."""
-    return f"test_hook_api.hook_{next(_names)}"
 
 
 def _counts() -> tuple[float, float]:
@@ -50,84 +42,16 @@ def test_mismatch_counter_is_declared_with_operator_help():
     assert "reinstall" in help_text and "upstream" in help_text
 
 
-@pytest.mark.parametrize("exc", [
-    AttributeError("'CommonKVManager' object has no attribute 'pdsafe_decode_endpoints'"),
-    ImportError("cannot import name 'KVPoll'"),
-    NameError("name 'KVPoll' is not defined"),
+@pytest.mark.parametrize("exc,mismatch", [
+    (AttributeError("'CommonKVManager' object has no attribute 'pdsafe_decode_endpoints'"), True),
+    (ImportError("cannot import name 'KVPoll'"), True),
+    (NameError("name 'KVPoll' is not defined"), True),
+    (TypeError("present() takes 2 positional arguments but 3 were given"), True),
+    (TypeError("unsupported operand type(s) for +: 'NoneType' and 'int'"), False),
+    (ValueError("bad value"), False),
 ])
-def test_guard_counts_an_upstream_shape_change_as_a_mismatch(exc, caplog):
-    name = _hook_name()
-
-    @guarded(name, FAILED, default="upstream-default")
-    def hook() -> str:
-        raise exc
-
-    m0, f0 = _counts()
-    with caplog.at_level(logging.ERROR, logger="sglang.pdsafe.hook_api"):
-        assert hook() == "upstream-default"
-    assert _counts() == (m0 + 1, f0), "a shape change must not count as an ordinary failure"
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert errors and name in errors[0].getMessage() and "mismatch" in errors[0].getMessage()
-    assert "reinstall" in errors[0].getMessage()
-
-
-def test_guard_counts_a_signature_type_error_as_a_mismatch():
-    def upstream_method(bootstrap_room: int) -> None:  # upstream dropped a parameter
-        return None
-
-    @guarded(_hook_name(), FAILED, default=None)
-    def hook() -> None:
-        upstream_method(1, "reason")
-
-    m0, f0 = _counts()
-    assert hook() is None
-    assert _counts() == (m0 + 1, f0)
-
-
-def test_guard_counts_other_errors_on_the_hook_failure_counter(caplog):
-    name = _hook_name()
-
-    @guarded(name, FAILED, default=False)
-    def hook(x: int) -> bool:
-        raise ValueError(f"bad value {x}")
-
-    m0, f0 = _counts()
-    with caplog.at_level(logging.ERROR, logger="sglang.pdsafe.hook_api"):
-        assert hook(3) is False
-    assert _counts() == (m0, f0 + 1)
-    rec = next(r for r in caplog.records if name in r.getMessage())
-    assert rec.exc_info is not None, "an ordinary failure is logged with its traceback"
-
-
-def test_guard_counts_a_plain_type_error_as_an_ordinary_failure():
-    @guarded(_hook_name(), FAILED, default=None)
-    def hook() -> None:
-        _ = None + 1  # a bug of ours, not upstream's signature
-
-    m0, f0 = _counts()
-    assert hook() is None
-    assert _counts() == (m0, f0 + 1)
-
-
-def test_guard_passes_results_through_and_never_swallows_base_exceptions():
-    @guarded(_hook_name(), FAILED, default=None)
-    def hook(a: int, *, b: int) -> int:
-        return a + b
-
-    assert hook(1, b=2) == 3
-    assert hook.__name__ == "hook" and hook.__pdsafe_hook__.startswith("test_hook_api.")
-
-    @guarded(_hook_name(), FAILED, default=None)
-    def interrupted() -> None:
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        interrupted()
-
-
-def test_guard_refuses_an_undeclared_failure_counter():
-    with pytest.raises(KeyError):
-        guarded("h", "no_such_counter_total", default=None)
+def test_is_mismatch_tells_an_upstream_shape_change_from_a_bug(exc, mismatch):
+    assert hook_api.is_mismatch(exc) is mismatch
 
 
 def test_peer_release_hook_counts_a_missing_named_method_as_a_mismatch():
@@ -199,11 +123,13 @@ def test_pdsafe_modules_declare_the_named_api_they_call():
                  "record_failure(bootstrap_room, failure_reason)",
                  "update_status(bootstrap_room, status)", "pdsafe_on_abort_message(msg)"):
         assert (kv, attr) in declared, attr
-    assert all(m in hook_api.DECLARING_MODULES
+    assert all(m in startup.HOOK_MODULES
                for m in ("sglang.pdsafe.peer_release", "sglang.pdsafe.peer_notifier"))
 
 
 def test_self_check_passes_on_the_installed_fork():
     """The real installed sglang has every member the pdsafe modules declare."""
-    hook_api.self_check(SimpleNamespace(disaggregation_mode="prefill"))
-    hook_api.self_check(SimpleNamespace(disaggregation_mode="decode"))
+    hook_api.self_check(SimpleNamespace(disaggregation_mode="prefill"),
+                        modules=startup.HOOK_MODULES)
+    hook_api.self_check(SimpleNamespace(disaggregation_mode="decode"),
+                        modules=startup.HOOK_MODULES)

@@ -28,7 +28,15 @@ from unittest.mock import MagicMock, patch
 
 import pytest
 import torch
-from sglang.pdsafe import coverage, kv_digest, kv_integrity, metrics, pair_agreement, peer_policy
+from sglang.pdsafe import (
+    coverage,
+    kv_digest,
+    kv_integrity,
+    metrics,
+    pair_agreement,
+    peer_policy,
+    transfer,
+)
 from sglang.srt.mem_cache import memory_pool as mp
 
 ROOM = 0x5EED_0000_1234
@@ -332,7 +340,9 @@ def test_prefill_failure_sends_no_digest_and_counts(caplog):
         p.send_kv_chunk(req, last_chunk=True)
     assert p.sent[-1][2] == [0] * 8
     assert _delta(before) == {kv_integrity.FAILED: 1}
-    assert any("decode will refuse" in r.getMessage() for r in caplog.records)
+    # the failure policy: counted once, logged naming the hook, the room failed at once
+    assert any("kv_integrity.prefill_write_row failed" in r.getMessage()
+               and "the room fails at once" in r.getMessage() for r in caplog.records)
 
 
 # --------------------------------------------------------------------------- decode verdicts
@@ -465,7 +475,8 @@ def test_upstreams_injector_still_fails_the_request(monkeypatch):
 def test_a_batch_drops_only_the_corrupt_request():
     d = _transfer()
     good = d.req
-    bad = SimpleNamespace(**{**vars(good), "rid": "bad", "finished_reason": None})
+    bad = SimpleNamespace(**{**{k: v for k, v in vars(good).items() if k != transfer.REQ_HANDLE},
+                             "rid": "bad", "finished_reason": None})
     d.dreq.req = bad  # a second transfer into the same pages, whose digest value differs
     _rewrite_row(d, kv_integrity.SLOT_VALUE_HI, 12345)
     before = _counts()
@@ -486,7 +497,7 @@ def test_fake_transfers_are_not_checked_but_a_missing_record_fails():
     _assert_passed(d, batch, release)
     assert _delta(before) == {}
     d = _transfer()
-    delattr(d.req, "_pdsafe_kv_digest")  # reached a batch without decode's commit hook
+    transfer.of(d.req).digest = None  # reached a batch without decode's commit hook
     batch, release = d.verify()
     _assert_failed(d, batch, release, "no KV digest record")
 
@@ -557,10 +568,8 @@ def test_a_fork_prefill_serves_a_stock_decode_every_other_buffer_in_place():
 
 
 def test_on_by_default_off_only_explicitly_and_upstreams_flag_keeps_it_on(monkeypatch, caplog):
-    from sglang.pdsafe import hook_api, protections
+    from sglang.pdsafe import protections, startup
 
-    # the hook-API self-check is test_startup_report's (it needs every later patch's API)
-    monkeypatch.setattr(hook_api, "self_check", lambda server_args, reqs=None: None)
     args = _disagg("decode")
     assert kv_integrity.carrier_enabled(args) and protections.status(args)["kv-digest"]
     assert kv_integrity.advertised(args) == kv_digest.SCHEME
@@ -570,7 +579,7 @@ def test_on_by_default_off_only_explicitly_and_upstreams_flag_keeps_it_on(monkey
     assert kv_integrity.leg_digester(_pool(1), args) is None
     assert _buffers("decode").kv_checksum is None
     with caplog.at_level(logging.WARNING, logger="sglang.pdsafe"):
-        assert protections.log_startup(args)["kv-digest"] is False
+        assert startup.report(args)["kv-digest"] is False
     assert any("'kv-digest' is OFF" in r.getMessage() for r in caplog.records)
     assert kv_integrity.carrier_enabled(_disagg("decode", flag=True))
     # Off: upstream's _verify_kv_checksums does nothing (no digester), by the operator's choice.

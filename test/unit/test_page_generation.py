@@ -38,7 +38,7 @@ from unittest.mock import MagicMock, patch
 import numpy as np
 import pytest
 import torch
-from sglang.pdsafe import metrics, page_generation, protections
+from sglang.pdsafe import metrics, page_generation, policy, protections, transfer
 from sglang.pdsafe.page_generation import GenerationTable, UncoveredAllocatorError
 
 ROOM = 0x9E_0000_0042
@@ -331,14 +331,20 @@ def test_a_failed_stamp_never_breaks_the_free_and_fails_every_later_check_closed
     assert t.broken and _delta(before) == {page_generation.FAILED: 1}
     with pytest.raises(page_generation.BrokenTableError):
         page_generation.changed(a, torch.unique(held // ps), snap)
-    # a decode transfer checked against it is refused (fail closed), its release frees as upstream
-    dreq = SimpleNamespace(req=SimpleNamespace(rid="r", bootstrap_room=ROOM))
-    setattr(dreq, page_generation._RESERVATION_ATTR,
-            page_generation.Reservation(room=ROOM, rid="r", kv=snap))
+    # a decode transfer checked against it is refused (fail closed)
+    dreq = SimpleNamespace(req=SimpleNamespace(rid="r", bootstrap_room=ROOM,
+                                               kv=SimpleNamespace(holds_kv=True)))
+    transfer.record_for(dreq.req).pages = page_generation.Reservation(room=ROOM, rid="r",
+                                                                     kv=snap)
     queue = SimpleNamespace(scheduler=SimpleNamespace(token_to_kv_pool_allocator=a))
     assert page_generation.decode_commit_refusal(queue, dreq) == page_generation.CHECK_FAILED
-    with page_generation.release_scope(queue, dreq):
-        assert t.skip is None
+    # the table can no longer prove page ownership: the server stops admitting PD requests
+    assert policy.poisoned() is not None and "page_generation.freed" in policy.poisoned().reason
+    # and the request's release cannot tell its own pages from moved ones: nothing is freed,
+    # the row is held for good (accounted as in use), never a possible double free
+    released = []
+    page_generation.release_request(dreq, lambda: released.append(t.skip))
+    assert released == [] and dreq.req.kv in transfer.held_rows()
 
 
 # =========================================================================== startup
@@ -396,8 +402,8 @@ def test_off_switch_warns_attaches_nothing_and_reports_off(monkeypatch, caplog):
     assert protections.status(PD)["page-generation"] is False
     monkeypatch.delenv(page_generation.ENV_ENABLE)
     assert protections.status(PD)["page-generation"] is True
-    assert protections.status(SimpleNamespace(disaggregation_mode="null"))[
-        "page-generation"] is False
+    assert "page-generation" not in protections.status(
+        SimpleNamespace(disaggregation_mode="null"))  # not a co-located server's protection
 
 
 def test_named_upstream_api_is_declared_and_present():
@@ -584,7 +590,7 @@ def test_failed_transfer_release_skips_recycled_pages(decode):
 def test_decode_without_a_reservation_is_refused(decode):
     req = decode.request("r", ROOM)
     dreq = decode.reserve(req)
-    delattr(dreq, page_generation._RESERVATION_ATTR)  # as if the snapshot hook had failed
+    transfer.of(req).pages = None  # as if the snapshot had been lost
     assert decode.transferred(dreq) == []
     assert req.finished_reason.status_code == HTTPStatus.INTERNAL_SERVER_ERROR
     assert "no page generations" in req.finished_reason.message

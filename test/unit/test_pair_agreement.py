@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import requests
 from pdsafe_testkit.loopback import reserve_port
-from sglang.pdsafe import metrics, pair_agreement
+from sglang.pdsafe import metrics, pair_agreement, pair_settings
 from sglang.pdsafe.pair_agreement import Mismatch, PairSettings, compare
 from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -93,7 +93,9 @@ def test_local_settings_read_the_effective_limits():
     kv_args = SimpleNamespace(page_size=64, kv_cache_dtype_str="float32", kv_layout=None)
     got = pair_agreement.local_settings(scheduler, kv_args)
     assert got == PairSettings(pair_agreement.WIRE_VERSION, 64, "float32", None, 512,
-                               "name:chatml", 446, kv_digest="pdsafe-kvdigest/1")
+                               "name:chatml", 446, kv_digest="pdsafe-kvdigest/1",
+                               incarnation=pair_settings.INCARNATION)
+    assert len(pair_settings.INCARNATION) == 16  # this process's random id
 
 
 # --------------------------------------------------------------------------- decode pairing

@@ -86,7 +86,8 @@ def test_stub_rewrite_only_on_a_known_non_pd_server(mode, rewrite, published):
     published(mode)
     req = _Req()
     assert placeholder_guard.record_rejection(req, "too long", 400, "BadRequest") is rewrite
-    assert req.pdsafe_rejection == placeholder_guard.Rejection("too long", 400, "BadRequest")
+    assert placeholder_guard.rejection_of(req) == placeholder_guard.Rejection(
+        "too long", 400, "BadRequest")
 
 
 def test_stub_rewrite_refused_when_the_mode_is_unknown(published, caplog):
@@ -94,7 +95,7 @@ def test_stub_rewrite_refused_when_the_mode_is_unknown(published, caplog):
     req = _Req()
     with caplog.at_level("ERROR", logger=placeholder_guard.logger.name):
         assert placeholder_guard.record_rejection(req, "too long", 400, "BadRequest") is False
-    assert req.pdsafe_rejection.message == "too long"
+    assert placeholder_guard.rejection_of(req).message == "too long"
     assert any("treating this process as PD" in r.getMessage() for r in caplog.records)
 
 
@@ -102,8 +103,9 @@ def test_protection_report_uses_the_one_decision():
     assert admission.CLAMP_FLAG  # registers pd-capacity-invariant
     for mode in ("prefill", "decode", "null"):
         st = protections.status(ServerArgs(model_path="dummy", disaggregation_mode=mode))
-        for name in ("no-placeholder-handoff", "decode-commit-gate", "pd-capacity-invariant"):
-            assert st[name] is (mode != "null"), (mode, name)
+        for name in ("no-placeholder-handoff", "pd-capacity-invariant"):
+            assert st.get(name, False) is (mode != "null"), (mode, name)
+        assert ("decode-commit-gate" in st) is (mode == "decode")
     with pytest.raises(PDModeUnknownError):
         protections.status(SimpleNamespace())
 

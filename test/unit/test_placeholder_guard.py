@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from unittest.mock import MagicMock, patch
 
 import pytest
+from sglang.pdsafe import placeholder_guard
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
 from sglang.srt.runtime_context import publish, reset_context
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -46,7 +47,7 @@ def _rejected(mode: str | None) -> Req:
 def test_pd_rejection_keeps_the_prompt_and_a_typed_verdict(mode: str) -> None:
     req = _rejected(mode)
     assert list(req.origin_input_ids) == PROMPT, "PD rejection rewrote the prompt to a stub"
-    rej = req.pdsafe_rejection
+    rej = placeholder_guard.rejection_of(req)
     assert (rej.status_code, rej.err_type) == (400, "BadRequest")
     assert "50 tokens" in rej.message
 

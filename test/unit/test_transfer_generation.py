@@ -44,6 +44,7 @@ from sglang.pdsafe import (
     pair_agreement,
     peer_policy,
     peer_release,
+    transfer,
 )
 from sglang.pdsafe import transfer_generation as tg
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -319,7 +320,8 @@ def test_a_prefill_without_this_wire_version_gets_upstreams_metadata_and_nothing
     room = _room()
     rank = _Rank(monkeypatch, backend, prefill=prefill)
     dreq = rank.reserve("r", room)
-    assert tg._minted(dreq.kv_receiver) != 0, "minted, just not sent"
+    rec = transfer.of(dreq.req)
+    assert rec.generation != 0 and not rec.generation_sent, "minted, just not sent"
     assert dreq.kv_receiver.pdsafe_transfer_generation() == 0, \
         "the digest must bind the generation sent (none), not the one minted"
     assert rank.last_metadata() == rank.upstream_metadata(dreq)

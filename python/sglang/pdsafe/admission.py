@@ -34,43 +34,38 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang.pdsafe import metrics
-from sglang.pdsafe.protections import Protection, is_pd, pd_mode, register
+from sglang.pdsafe import metrics, policy
+from sglang.pdsafe.policy import Outcome, RefusedError, hook, raise_refusal
+from sglang.pdsafe.protections import EVERY, Protection, pd_mode, register
 
 logger = logging.getLogger("sglang.pdsafe.admission")
 
 CLAMP_FLAG = "--disaggregation-clamp-context-to-kv-capacity"
 CLAMP_FIELD = "disaggregation_clamp_context_to_kv_capacity"
+FAILED = "admission_check_failed_total"
 
 
 register(Protection(
     name="http-input-length-limit",
     guards="the HTTP layer refuses prompts longer than max_req_input_len (KV capacity), "
            "before any scheduling, bootstrap or page allocation",
-    is_active=lambda server_args: True,
+    roles=EVERY,
 ))
 register(Protection(
     name="pd-capacity-invariant",
     guards="a PD server refuses to start when its KV pool holds fewer tokens than its "
            "context length (or clamps the context length with " + CLAMP_FLAG + ")",
-    is_active=is_pd,
 ))
 
 
 # --------------------------------------------------------------------------- HTTP admission
 
 
-class AdmissionError(ValueError):
-    """A request refused at the HTTP layer. ``status_code`` is read by the HTTP handlers.
-
-    A ``ValueError`` so that every upstream entry point (``/generate``, the OpenAI handlers,
-    streaming or not) already turns it into a 400 before the request reaches the scheduler.
-    """
-
-    status_code = 400
-    error_type = "invalid_request_error"
-    error_code = "bad_request"
-    param: str | None = None
+class AdmissionError(RefusedError):
+    """A request refused at the HTTP layer (the one refusal type, raised: a ``ValueError``, so
+    every upstream entry point, ``/generate``, the OpenAI handlers, streaming or not, already
+    turns it into a 4xx before the request reaches the scheduler; ``status_code`` is read by
+    the HTTP handlers)."""
 
 
 class PromptTooLongError(AdmissionError):
@@ -78,6 +73,7 @@ class PromptTooLongError(AdmissionError):
 
     error_code = "context_length_exceeded"
     param = "prompt"
+    counter = "rejected_over_capacity_http_total"
 
     def __init__(self, prompt_tokens: int, max_req_input_len: int,
                  context_len: int | None, kv_capacity: int | None) -> None:
@@ -102,9 +98,12 @@ class PromptTooLongError(AdmissionError):
         )
 
 
+@policy.passthrough("admission.error_content",
+                    why="formats the body of a refusal already decided (upstream's own body "
+                        "stands if it raises)")
 def error_content(exc: BaseException) -> dict[str, Any] | None:
-    """OpenAI-style error body for one of our admission errors (None for other errors)."""
-    if not isinstance(exc, AdmissionError):
+    """OpenAI-style error body for one of our refusals (None for other errors)."""
+    if not isinstance(exc, RefusedError):
         return None
     err: dict[str, Any] = {
         "message": str(exc),
@@ -119,6 +118,8 @@ def error_content(exc: BaseException) -> dict[str, Any] | None:
     return {"error": err}
 
 
+@hook("admission.check_input_length", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=raise_refusal, effect="503 at the HTTP layer, before the request is queued")
 def check_input_length(tokenizer_manager: Any, input_ids: list[int] | None) -> None:
     """Refuse (or, with --allow-auto-truncate, truncate) a prompt over ``max_req_input_len``.
 
@@ -150,6 +151,9 @@ def check_input_length(tokenizer_manager: Any, input_ids: list[int] | None) -> N
     )
 
 
+@policy.passthrough("admission.prestart_stream",
+                    why="runs upstream's generator to its first item; the exceptions are "
+                        "upstream's (or a refusal raised by a hook inside)")
 async def prestart_stream(agen: Any) -> Any:
     """Run a streaming request up to its first output before the HTTP 200 is sent.
 
@@ -178,10 +182,12 @@ _NOTHING = object()
 # --------------------------------------------------------------------------- startup invariant
 
 
-class CapacityInvariantError(RuntimeError):
+class CapacityInvariantError(policy.StartupRefusedError):
     """A PD server's KV pool cannot hold one request of its context length."""
 
 
+@hook("admission.enforce_kv_capacity", outcome=Outcome.POISON, counter=FAILED,
+      on_failure=policy.reraise_at_startup, effect="the server refuses to start")
 def enforce_kv_capacity(server_args: Any, kv_capacity: int, context_len: int) -> int:
     """Return the effective context length for a KV pool of ``kv_capacity`` tokens.
 
@@ -236,6 +242,8 @@ def enforce_kv_capacity(server_args: Any, kv_capacity: int, context_len: int) ->
     return effective
 
 
+@hook("admission.scheduler_limits", outcome=Outcome.POISON, counter=FAILED,
+      on_failure=policy.reraise_at_startup, effect="the server refuses to start")
 def scheduler_limits(max_req_input_len: int | None, context_len: int | None,
                      kv_capacity: int | None) -> dict[str, Any]:
     """Extra keys for the scheduler's init info (read by the tokenizer process).
@@ -255,6 +263,9 @@ def scheduler_limits(max_req_input_len: int | None, context_len: int | None,
     return out
 
 
+@hook("admission.adopt_scheduler_limits", outcome=Outcome.POISON, counter=FAILED,
+      on_failure=policy.reraise_at_startup,
+      effect="the server refuses to start (its HTTP layer would not know its limits)")
 def adopt_scheduler_limits(tokenizer_manager: Any, scheduler_info: dict[str, Any]) -> None:
     """Make the tokenizer process use the scheduler's effective context length and KV size."""
     if tokenizer_manager is None:
@@ -269,6 +280,8 @@ def adopt_scheduler_limits(tokenizer_manager: Any, scheduler_info: dict[str, Any
         tokenizer_manager.context_len = int(ctx)
 
 
+@hook("admission.advertised_limits", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=raise_refusal, effect="/model_info and /server_info answer 503")
 def advertised_limits(tokenizer_manager: Any) -> dict[str, Any]:
     """The limits a router needs to align both PD legs, for /model_info and /server_info.
 

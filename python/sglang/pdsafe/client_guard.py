@@ -19,8 +19,8 @@ filter in a middleware could not promise.
 
 What is trusted (server-built requests):
 
-* in-process callers that pass no HTTP request (``request is None``: ``entrypoints/warmup.py``,
-  the offline ``Engine`` API);
+* the server's own warmups (``entrypoints/warmup.py``'s ``execute_warmups``, which runs them
+  inside :func:`server_internal`, a context variable no client can set);
 * the requests built by ``/health`` and ``/health_generate`` themselves (GET endpoints that take
   no request body; identified by path or by their route handler);
 * the PD startup warmup, which reaches the server over its own HTTP port: it carries the
@@ -36,23 +36,33 @@ shutdown; ``worker_handoff()`` adds it there), and each worker takes it out agai
 keeps that dict (``adopt_worker_handoff()``), so it never appears in ``/server_info``. A
 worker that has not adopted a secret accepts no internal header at all.
 
-Invariant: a request whose body came from an HTTP client never reaches the scheduler with the
-fake bootstrap host or a health-check rid; it is refused with 400 and counted in
-``rejected_spoofed_bootstrap_host_total`` / ``rejected_spoofed_rid_total``.
+Every other caller is a client, whatever its entry point: the HTTP server, the offline
+``sglang.Engine`` (which passes no HTTP request), the native gRPC bridge. A caller that passes
+no HTTP request is **not** trusted for that alone.
+
+The same funnel refuses every generation request of a poisoned server with 503 and the reason
+(:func:`sglang.pdsafe.policy.poison_refusal`), before it reaches any scheduler.
+
+Invariant: a request that the server did not build itself never reaches the scheduler with the
+fake bootstrap host or a health-check rid, on any entry point; it is refused with 400 and
+counted in ``rejected_spoofed_bootstrap_host_total`` / ``rejected_spoofed_rid_total``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hmac
 import logging
 import secrets
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-from sglang.pdsafe import metrics
+from sglang.pdsafe import metrics, policy
 from sglang.pdsafe.admission import AdmissionError
-from sglang.pdsafe.protections import Protection, register
+from sglang.pdsafe.policy import CheckFailedError, Outcome, hook, raise_refusal
+from sglang.pdsafe.protections import EVERY, Protection, register
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
@@ -70,8 +80,10 @@ __all__ = [
     "check_client_request",
     "internal_headers",
     "is_server_built",
+    "server_internal",
     "worker_handoff",
 ]
+FAILED = "admission_check_failed_total"
 
 INTERNAL_HEADER = "x-sglang-pdsafe-internal"
 #: Key of the secret in the scheduler info the launcher hands its HTTP worker processes.
@@ -89,8 +101,22 @@ register(Protection(
     name="client-bypass-guard",
     guards="client requests may not carry the fake bootstrap host (2.2.2.2) or a "
            "health-check rid (server-internal switches that skip the KV transfer/checks)",
-    is_active=lambda server_args: True,
+    roles=EVERY,
 ))
+
+#: Set while the server runs its own requests in-process (its warmups): see module doc.
+_SERVER_INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "pdsafe_server_internal", default=False)
+
+
+@contextlib.contextmanager
+def server_internal() -> Iterator[None]:
+    """Requests generated inside are the server's own (``execute_warmups``)."""
+    token = _SERVER_INTERNAL.set(True)
+    try:
+        yield
+    finally:
+        _SERVER_INTERNAL.reset(token)
 
 
 class SpoofedInternalFieldError(AdmissionError):
@@ -109,18 +135,25 @@ def _token() -> str:
         return _TOKEN
 
 
+@hook("client_guard.internal_headers", outcome=Outcome.POISON, counter=FAILED,
+      on_failure=policy.reraise_at_startup,
+      effect="the server refuses to start (its warmup could not be told from a client)")
 def internal_headers() -> dict[str, str]:
     """Headers that mark a request the server sends to itself (startup warmup)."""
     token = _token()
     return {INTERNAL_HEADER: token} if token else {}
 
 
+@hook("client_guard.worker_handoff", outcome=Outcome.POISON, counter=FAILED,
+      on_failure=policy.reraise_at_startup, effect="the server refuses to start")
 def worker_handoff() -> dict[str, str]:
     """Launcher side: the entry to add to the scheduler info handed to HTTP worker processes
     (``write_data_for_multi_tokenizer``), so every worker accepts the same warmup header."""
     return {HANDOFF_KEY: _token()}
 
 
+@hook("client_guard.adopt_worker_handoff", outcome=Outcome.POISON, counter=FAILED,
+      on_failure=policy.reraise_at_startup, effect="the HTTP worker refuses to start")
 def adopt_worker_handoff(scheduler_info: dict[str, Any]) -> None:
     """Worker side: take this server's secret out of the scheduler info the launcher handed
     over (``init_multi_tokenizer``), before the dict is kept or served (``/server_info``).
@@ -144,9 +177,12 @@ def _values(v: Any) -> Iterable[Any]:
 
 
 def is_server_built(request: Any) -> bool:
-    """True for requests the server built itself (see module doc)."""
-    if request is None:
+    """True for requests the server built itself (see module doc); never for a caller only
+    because it passed no HTTP request."""
+    if _SERVER_INTERNAL.get():
         return True
+    if request is None:
+        return False
     method = getattr(request, "method", None)
     if method in ("GET", "HEAD"):
         path = getattr(getattr(request, "url", None), "path", None)
@@ -162,12 +198,19 @@ def is_server_built(request: Any) -> bool:
     return bool(got and token and hmac.compare_digest(str(got), token))
 
 
+@hook("client_guard.check_client_request", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=raise_refusal, effect="503 before the request is registered (every entry point)")
 def check_client_request(obj: Any, request: Any) -> None:
-    """Refuse a client request carrying the fake bootstrap host or a health-check rid.
+    """Refuse a client request carrying the fake bootstrap host or a health-check rid, and
+    every request of a poisoned server (503).
 
     ``obj``: a GenerateReqInput / EmbeddingReqInput (single or batch, before normalization);
-    ``request``: the HTTP request it came with (None for in-process callers).
+    ``request``: the HTTP request it came with (None for in-process callers, which are
+    clients too unless the server runs them: :func:`server_internal`).
     """
+    poisoned = policy.poison_refusal()
+    if poisoned is not None:
+        raise CheckFailedError.of(poisoned)
     if is_server_built(request):
         return
     for host in _values(getattr(obj, "bootstrap_host", None)):

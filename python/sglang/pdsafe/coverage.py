@@ -73,8 +73,13 @@ from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any
 
-from sglang.pdsafe import metrics
-from sglang.pdsafe.protections import Protection, is_pd, register
+import numpy as np
+import torch
+from sglang.pdsafe import metrics, peer_policy, policy, transfer
+from sglang.pdsafe.policy import hook
+from sglang.pdsafe.protections import Protection, register
+from sglang.pdsafe.transfer import State
+from sglang.srt.disaggregation.utils import prepare_abort
 
 logger = logging.getLogger(__name__)
 
@@ -106,22 +111,20 @@ OPERATOR_HINT = (
 )
 
 
+FAILED = "coverage_check_failed_total"
+
+
 def mode() -> str:
     """The configured mode (``enforce`` unless ``SGLANG_PDSAFE_COVERAGE=log``)."""
     value = os.environ.get(ENV_MODE, "enforce").strip().lower()
     return "log" if value == "log" else "enforce"
 
 
-def _is_pd_enforced(server_args: Any) -> bool:
-    return is_pd(server_args) and mode() == "enforce"
-
-
 register(Protection(
     name="coverage-attestation",
     guards="decode commits a transfer only if prefill attests exactly the token range, "
            "tokens and pages decode reserved (no decode over pages nobody wrote)",
-    is_active=_is_pd_enforced,
-    disabled_by=f"{ENV_MODE}=log",
+    switched_off=lambda _args: None if mode() == "enforce" else f"{ENV_MODE}=log",
 ))
 
 
@@ -157,8 +160,6 @@ def token_digest(room: int, token_ids: Sequence[int]) -> int:
     Covers the whole prefix ``[0, end)``, not only the written positions: the KV at a position
     depends on every token before it.
     """
-    import numpy as np
-
     arr = np.asarray(token_ids, dtype=np.int64)
     return _h63(b"pdsafe-cov1", (int(room) & _U64).to_bytes(8, "little"), arr.tobytes())
 
@@ -289,8 +290,6 @@ def verify(row: Sequence[int], reservation: Coverage, rid: str = "?") -> Verdict
 
 # --------------------------------------------------------------------------- hooks (glue)
 
-_RESERVATION_ATTR = "_pdsafe_coverage_reservation"
-
 
 def decode_token_ids(req: Any, reserved_len: int) -> list[int]:
     """Tokens decode reserved KV for: the first ``reserved_len`` of prompt + outputs (the
@@ -301,9 +300,27 @@ def decode_token_ids(req: Any, reserved_len: int) -> list[int]:
     return ids[:reserved_len]
 
 
+def _decode_key(decode_req: Any, *_: Any, **__: Any) -> Any:
+    req = decode_req.req
+    return ("room", getattr(req, "bootstrap_room", None), str(getattr(req, "rid", "")))
+
+
+def _reservation_failed(failure: policy.Failure) -> None:
+    """The reservation could not be recorded: the room fails now (the prefill told)."""
+    decode_req = failure.args[0]
+    receiver = getattr(decode_req, "kv_receiver", None)
+    transfer.fail_room(getattr(receiver, "kv_mgr", None), decode_req.req.bootstrap_room,
+                       failure.refusal(500, "the KV transfer (decode could not record its "
+                                            "reservation)"))
+
+
+@hook("coverage.note_reservation_hook", outcome=policy.Outcome.REFUSE, counter=FAILED,
+      on_failure=_reservation_failed, key=_decode_key,
+      effect="the room fails at once (500, the prefill told); commit would refuse it too")
 def note_reservation_hook(decode_req: Any, page_indices: Sequence[int], page_size: int,
                           decode_prefix_len: int | None, reserved_len: int) -> None:
-    """Decode, right before its metadata goes to prefill: remember what it reserved.
+    """Decode, right before its metadata goes to prefill: record what it reserved in the
+    transfer's record.
 
     ``reserved_len`` is the token count decode reserved KV for
     (``DecodePreallocQueue._rebootstrap_prefill_len``, passed by the patch).
@@ -312,12 +329,14 @@ def note_reservation_hook(decode_req: Any, page_indices: Sequence[int], page_siz
     ids = decode_token_ids(req, int(reserved_len))
     cov = build_coverage(req.bootstrap_room, ids, int(decode_prefix_len or 0), len(ids),
                          int(page_size), page_count=len(page_indices))
-    setattr(decode_req, _RESERVATION_ATTR, cov)
+    receiver = getattr(decode_req, "kv_receiver", None)
+    transfer.record_for(req, getattr(receiver, "kv_mgr", None)).coverage = cov
 
 
 def reservation_of(decode_req: Any) -> Coverage | None:
-    """The reservation :func:`note_reservation_hook` recorded for ``decode_req`` (None: none)."""
-    return getattr(decode_req, _RESERVATION_ATTR, None)
+    """The reservation :func:`note_reservation_hook` recorded for ``decode_req`` (None)."""
+    rec = transfer.of(decode_req.req)
+    return rec.coverage if rec is not None else None
 
 
 def _prefill_generation(req: Any) -> int:
@@ -335,20 +354,33 @@ def _prefill_generation(req: Any) -> int:
 
 def _decode_generation(decode_req: Any) -> int:
     """The transfer generation decode sent with the reservation's metadata (0: none)."""
-    get = getattr(getattr(decode_req, "kv_receiver", None), "pdsafe_transfer_generation", None)
-    return 0 if get is None else int(get())
+    rec = transfer.of(decode_req.req)
+    return rec.generation if rec is not None and rec.generation_sent else 0
 
 
+def _attest_failed(failure: policy.Failure) -> None:
+    """The attestation could not be written: the room fails now (the decode told Failed);
+    its row stays without an attestation (decode would refuse it too)."""
+    req = failure.args[1]
+    sender = getattr(req, "disagg_kv_sender", None)
+    transfer.fail_room(getattr(sender, "kv_mgr", None), getattr(req, "bootstrap_room", None),
+                       failure.refusal(500, "the KV transfer (prefill could not attest what it "
+                                            "wrote)"))
+
+
+@hook("coverage.attest_prefill_hook", outcome=policy.Outcome.REFUSE, counter=FAILED,
+      on_failure=_attest_failed,
+      key=lambda buffers, req, *a, **k: ("room", getattr(req, "bootstrap_room", None),
+                                         str(getattr(req, "rid", ""))),
+      effect="the room fails at once (500; the decode told Failed)")
 def attest_prefill_hook(metadata_buffers: Any, req: Any, end_idx: int, page_size: int) -> None:
     """Prefill, at its last chunk, after upstream's ``set_buf``: write the attestation row
     (slot 2 bound to the generation the room's decode ranks sent)."""
-    import torch
-
     first = int(getattr(req, "disagg_decode_prefix_len", 0) or 0)
     cov = build_coverage(req.bootstrap_room, req.origin_input_ids, first, int(end_idx),
                          int(page_size))
     cov = replace(cov, token_digest=bind_generation(cov.token_digest,
-                                                                _prefill_generation(req)))
+                                                    _prefill_generation(req)))
     buf = metadata_buffers.bootstrap_room
     row = encode(cov)
     buf[req.metadata_buffer_index, 1:ROW_WIDTH] = torch.tensor(
@@ -358,7 +390,7 @@ def attest_prefill_hook(metadata_buffers: Any, req: Any, end_idx: int, page_size
 def check_commit_hook(transfer_queue: Any, decode_req: Any) -> Verdict:
     """Decode, before commit: verify the transferred row against the recorded reservation."""
     req = decode_req.req
-    reservation = getattr(decode_req, _RESERVATION_ATTR, None)
+    reservation = reservation_of(decode_req)
     rid = getattr(req, "rid", "?")
     if reservation is None:
         return Verdict(Outcome.MISSING, (
@@ -375,28 +407,39 @@ def admit(transfer_queue: Any, decode_req: Any) -> bool:
     """Run the coverage check for one finished transfer; abort the request on failure.
 
     Returns False when the request must not decode (it is then already aborted with
-    ``REFUSAL_STATUS`` through upstream's ``prepare_abort``, like the bootstrap-room mismatch).
+    ``REFUSAL_STATUS`` through upstream's ``prepare_abort``, like the bootstrap-room mismatch);
+    on True the transfer's record is VERIFIED (the KV digest follows at the first step).
     """
-    from sglang.srt.disaggregation.utils import prepare_abort
-
     req = decode_req.req
+    rec = transfer.of(req)
     # The patch does not call the gate for a fake transfer (server warmup; clients cannot
     # request one, see client_guard): every request that reaches here carries real KV.
     verdict = check_commit_hook(transfer_queue, decode_req)
-    if verdict.ok:
+    if verdict.ok or _waived(decode_req, verdict):
+        _verified(rec)
         return True
-    if (verdict.outcome is Outcome.MISSING and verdict.attested is None
-            and getattr(decode_req, _RESERVATION_ATTR, None) is not None):
-        from sglang.pdsafe import peer_policy
-
-        # A stock prefill during a rolling upgrade, with the operator's explicit waiver
-        # (SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS; logged per prefill, counted per transfer).
-        if peer_policy.coverage_waived(decode_req):
-            return True
     metrics.inc(verdict.counter)
     if mode() == "log":
         logger.error("%s [%s=log: committed anyway]", verdict.message, ENV_MODE)
+        _verified(rec)
         return True
     logger.error(verdict.message)
     prepare_abort(req, verdict.message, status_code=REFUSAL_STATUS)
+    if rec is not None:
+        rec.refuse(policy.Refusal(int(REFUSAL_STATUS), verdict.message, verdict.counter))
     return False
+
+
+def _waived(decode_req: Any, verdict: Verdict) -> bool:
+    """A stock prefill during a rolling upgrade, with the operator's explicit waiver
+    (``SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS``; logged per prefill, counted per transfer)."""
+    return (verdict.outcome is Outcome.MISSING and verdict.attested is None
+            and reservation_of(decode_req) is not None
+            and peer_policy.coverage_waived(decode_req))
+
+
+def _verified(rec: transfer.Transfer | None) -> None:
+    if rec is not None and rec.state in (State.SENT, State.WRITTEN):
+        if rec.state is State.SENT:
+            rec.advance(State.WRITTEN)
+        rec.advance(State.VERIFIED)

@@ -1,42 +1,33 @@
-"""The named hook API between the patched upstream code and pdsafe: the guard and the self-check.
+"""The named hook API between the patched upstream code and pdsafe: declarations and self-check.
 
-Upstream calls pdsafe at a few hook sites (its scheduler loop, KV control threads, exception
-handlers), and pdsafe calls back into upstream only through public methods or the small named
-``pdsafe_*`` methods that a patch adds to upstream's common classes. Two things can go wrong:
+pdsafe calls back into upstream only through public methods or the small named ``pdsafe_*``
+methods that a patch adds to upstream's common classes. When upstream changed shape (a rebase
+renamed a method, changed a signature, moved a module), that must show before traffic, not as
+an ordinary hook failure: each module declares at import what it calls upstream
+(:func:`require`), and :func:`self_check`, run at startup by every entry point
+(:mod:`sglang.pdsafe.startup`), imports every declared target and refuses to start a PD server
+when any declared member is missing (:class:`HookAPIError`, listing every missing member and
+why pdsafe needs it). At run time, :func:`is_mismatch` tells the failure policy
+(:mod:`sglang.pdsafe.policy`) that a hook failed because of such a change: it is counted in
+``hook_api_mismatch_total`` and logged with the remedy, never as an ordinary failure.
 
-* **A bug or a failure inside a hook.** A hook must never take its caller down or replace the
-  error the caller is handling. :func:`guarded` wraps every function upstream calls: it logs the
-  exception with its traceback, increments the hook's own failure counter, and returns the
-  hook's ``default`` (upstream's behaviour without pdsafe).
-* **Upstream changed shape** (a rebase renamed a method, changed a signature, moved a module):
-  that is not an ordinary failure, and it must not hide in the failure counter. :func:`guarded`
-  counts ``AttributeError``, ``ImportError``/``NameError`` and signature ``TypeError``\\ s in
-  ``hook_api_mismatch_total`` and logs an ERROR naming the hook. To catch it before traffic,
-  each module declares at import what it calls upstream (:func:`require`), and
-  :func:`self_check`, run from the server's startup hook, imports every declared target and
-  refuses to start a PD server when any declared member is missing (:class:`HookAPIError`,
-  listing every missing member and why pdsafe needs it).
-
-Invariant: a hook failure never propagates into upstream; a mismatch between this build's
-patches and the installed upstream is reported as such (its own counter and an ERROR naming
-the hook at run time, a refused start in PD mode), never as an ordinary failure.
+Invariant: a mismatch between this build's patches and the installed upstream is reported as
+such (its own counter and an ERROR naming the hook at run time, a refused start in PD mode).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from sglang.pdsafe import metrics
-from sglang.pdsafe.protections import HOOK_MODULES, is_pd
+from sglang.pdsafe.protections import is_pd
 
 logger = logging.getLogger("sglang.pdsafe.hook_api")
 
@@ -44,20 +35,11 @@ MISMATCH_COUNTER = "hook_api_mismatch_total"
 REMEDY = ("this sglang-pdsafe build's patches do not match the installed upstream; reinstall "
           "the fork wheel (or rebuild it from the release matching the installed upstream)")
 
-#: pdsafe modules that declare upstream requirements; self_check imports them first so their
-#: declarations are in the registry even if nothing imported them yet in this process.
-DECLARING_MODULES: tuple[str, ...] = HOOK_MODULES  # every module a patch hooks into
-
 #: A TypeError with one of these messages comes from calling with the wrong signature (an
 #: upstream method whose parameters changed); any other TypeError is an ordinary failure.
 _SIGNATURE_ERROR = re.compile(
     r"(positional argument|keyword argument|required (positional|keyword)|takes \d+|"
     r"takes (no|exactly|at (most|least))|got multiple values|missing \d+ required)")
-
-#: Log a repeated failure of the same hook at most this often (the counters count every one).
-LOG_INTERVAL_S = 10.0
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class HookAPIError(RuntimeError):
@@ -69,61 +51,6 @@ def is_mismatch(exc: BaseException) -> bool:
     if isinstance(exc, (AttributeError, ImportError, NameError)):
         return True
     return isinstance(exc, TypeError) and bool(_SIGNATURE_ERROR.search(str(exc)))
-
-
-_log_lock = threading.Lock()
-_last_logged: dict[tuple[str, bool], tuple[float, int]] = {}
-
-
-def _should_log(hook_name: str, mismatch: bool) -> tuple[bool, int]:
-    """Rate-limit logs per hook and kind: (log now, how many were suppressed since)."""
-    now = time.monotonic()
-    key = (hook_name, mismatch)
-    with _log_lock:
-        last, suppressed = _last_logged.get(key, (float("-inf"), 0))
-        if now - last >= LOG_INTERVAL_S:
-            _last_logged[key] = (now, 0)
-            return True, suppressed
-        _last_logged[key] = (last, suppressed + 1)
-        return False, suppressed + 1
-
-
-def guarded(hook_name: str, failure_counter: str, default: Any) -> Callable[[F], F]:
-    """Decorate a function that upstream calls: it never raises into upstream.
-
-    An exception that means upstream changed shape (see :func:`is_mismatch`) increments
-    ``hook_api_mismatch_total`` and logs an ERROR naming ``hook_name``; any other exception
-    increments ``failure_counter`` and logs it with its traceback. Both return ``default``.
-    """
-    if failure_counter not in metrics.COUNTERS:
-        raise KeyError(f"undeclared pdsafe counter {failure_counter!r} for hook {hook_name}")
-
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - the guard's whole purpose
-                mismatch = is_mismatch(e)
-                metrics.inc(MISMATCH_COUNTER if mismatch else failure_counter)
-                log, suppressed = _should_log(hook_name, mismatch)
-                if log and mismatch:
-                    logger.error(
-                        "pdsafe hook %s: upstream API mismatch (%s: %s); the hook did nothing "
-                        "and upstream's behaviour applies. %s. (%d similar suppressed)",
-                        hook_name, type(e).__name__, e, REMEDY, suppressed, exc_info=True)
-                elif log:
-                    logger.error(
-                        "pdsafe hook %s failed (%s: %s); upstream's behaviour applies "
-                        "(counted in %s%s). (%d similar suppressed)", hook_name,
-                        type(e).__name__, e, metrics.PREFIX, failure_counter, suppressed,
-                        exc_info=True)
-                return default
-
-        inner.__pdsafe_hook__ = hook_name  # type: ignore[attr-defined]
-        return inner  # type: ignore[return-value]
-
-    return wrap
 
 
 # =========================================================================== required API
@@ -241,19 +168,21 @@ def _pd_mode(server_args: Any) -> bool:
         return True
 
 
-def self_check(server_args: Any, reqs: Iterable[Requirement] | None = None) -> None:
+def self_check(server_args: Any, reqs: Iterable[Requirement] | None = None,
+               modules: Iterable[str] = ()) -> None:
     """In PD mode, prove every member pdsafe's hooks call exists in the installed upstream.
 
-    Imports the declaring pdsafe modules and the modules named by their targets (nothing
-    else), and raises :class:`HookAPIError` listing every missing member, why it is needed,
-    and the remedy. A non-PD server is not checked (no PD hook runs there); a server whose
-    mode cannot be read is checked. ``reqs`` replaces the declared requirements (tests).
+    Imports ``modules`` (the declaring pdsafe modules) and the modules named by their
+    targets (nothing else), and raises :class:`HookAPIError` listing every missing member,
+    why it is needed, and the remedy. A non-PD server is not checked (no PD hook runs there);
+    a server whose mode cannot be read is checked. ``reqs`` replaces the declared
+    requirements (tests).
     """
     if not _pd_mode(server_args):
         return
     t0 = time.monotonic()
     if reqs is None:
-        for mod in DECLARING_MODULES:
+        for mod in modules:
             importlib.import_module(mod)
         reqs = requirements()
     reqs = list(reqs)
@@ -264,24 +193,3 @@ def self_check(server_args: Any, reqs: Iterable[Requirement] | None = None) -> N
             + "\n  ".join(problems) + f"\nRemedy: {REMEDY}.")
     logger.info("pdsafe hook API self-check: %d requirements present (%.0f ms)",
                 len(reqs), 1000 * (time.monotonic() - t0))
-
-
-_attached_lock = threading.Lock()
-_S = TypeVar("_S")
-
-
-def attached(obj: Any, attr: str, factory: Callable[[], _S]) -> _S:
-    """pdsafe state kept on an upstream object (a KV manager) under a pdsafe-owned attribute.
-
-    Invariant: created once, on first use, under one lock (double-checked), so every thread
-    that asks for ``obj``'s state gets the same instance; the attribute name is ours
-    (``_pdsafe_*``), so no upstream member is read or replaced.
-    """
-    state = getattr(obj, attr, None)
-    if state is None:
-        with _attached_lock:
-            state = getattr(obj, attr, None)
-            if state is None:
-                state = factory()
-                setattr(obj, attr, state)
-    return state

@@ -39,7 +39,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from sglang.pdsafe import metrics
+from sglang.pdsafe import metrics, policy
 
 logger = logging.getLogger("sglang.pdsafe.kv_breaker")
 
@@ -47,6 +47,7 @@ ENV = "SGLANG_PDSAFE_KV_MISMATCH_BREAKER"
 #: The 503 reason's first words; ``quarantine.health_refusal`` looks for them.
 MARKER = "decode stopped serving after repeated KV digest mismatches"
 STATUS = 503
+policy.health_marker(MARKER)
 
 
 @dataclass(frozen=True)

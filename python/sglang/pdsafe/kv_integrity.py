@@ -93,10 +93,14 @@ import struct
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 import xxhash
-from sglang.pdsafe import metrics
-from sglang.pdsafe.hook_api import is_mismatch, require
-from sglang.pdsafe.protections import Protection, is_pd, register, switch_on
+from sglang.pdsafe import kv_breaker, kv_digest, metrics, peer_policy, policy, transfer
+from sglang.pdsafe.hook_api import require
+from sglang.pdsafe.policy import Outcome, hook
+from sglang.pdsafe.protections import Protection, is_pd, off_by, register, switch_on
+from sglang.pdsafe.transfer import State
+from sglang.srt.disaggregation.utils import prepare_abort
 
 logger = logging.getLogger("sglang.pdsafe.kv_integrity")
 
@@ -124,10 +128,8 @@ VERIFIED_COUNTER = "kv_digest_verified_total"
 REFUSAL_STATUS = 500
 HEAD = "KV integrity check failed"
 
-#: The decode-side record of a request whose transfer was committed (see :func:`capture`).
-_ATTR = "_pdsafe_kv_digest"
-#: ... after its check passed (a retracted request that resumes from decode's own backup
-#: re-enters a batch without a new transfer; nothing new came from prefill).
+#: ``record.digest`` after the check passed (a retracted request that resumes from decode's
+#: own backup re-enters a batch without a new transfer; nothing new came from prefill).
 VERIFIED = "verified"
 
 require("sglang.srt.disaggregation.base.conn.BaseKVManager",
@@ -143,6 +145,8 @@ def enabled(args: Any = None) -> bool:
     return switch_on(ENV_ENABLE) or bool(getattr(args, "disaggregation_enable_kv_checksum", False))
 
 
+@hook("kv_integrity.carrier_enabled", outcome=Outcome.POISON, counter=FAILED,
+      on_failure=policy.reraise_at_startup, effect="the scheduler refuses to start")
 def carrier_enabled(disagg: Any) -> bool:
     """Whether this PD leg allocates the digest row (``MetadataBuffers(kv_checksum_enabled)``):
     in PD mode whenever :func:`enabled`. Fails closed: a mode that cannot be read raises."""
@@ -153,9 +157,7 @@ def advertised(args: Any = None) -> str:
     """What this leg publishes at pairing (``pair_agreement`` field ``kv_digest``)."""
     if not enabled(args):
         return "off"
-    from sglang.pdsafe.kv_digest import SCHEME
-
-    return SCHEME
+    return kv_digest.SCHEME
 
 
 register(Protection(
@@ -164,8 +166,7 @@ register(Protection(
            "exactly its token range (XXH3-128, bound to room, generation, range and layout) "
            "before its first decode step; a missing or zero digest, a health-check rid or "
            "another layout is a failure, never a skip",
-    is_active=lambda server_args: is_pd(server_args) and enabled(server_args),
-    disabled_by=f"{ENV_ENABLE}=0 on both legs",
+    switched_off=lambda args: None if enabled(args) else off_by(ENV_ENABLE)(args),
 ))
 
 
@@ -234,8 +235,6 @@ def decode_row(words: Any) -> RowDigest:
 def write_row(buf: Any, index: int, words: list[int]) -> None:
     """Store ``words`` (unsigned) into row ``index`` of the tensor ``buf`` (uint64, or int64
     on Ascend: two's complement)."""
-    import torch
-
     if buf.dtype == torch.int64:
         words = [w - (1 << 64) if w >= (1 << 63) else w for w in words]
     buf[index] = torch.tensor(words, dtype=buf.dtype, device=buf.device)
@@ -248,8 +247,6 @@ class Digester:
     """One leg's digest state: its KV pool, prepared once (components, signature)."""
 
     def __init__(self, pool: Any) -> None:
-        from sglang.pdsafe import kv_digest
-
         self.prepared = kv_digest.prepare(pool)
         self.spaces = {c.space for c in self.prepared.components}
 
@@ -257,8 +254,7 @@ class Digester:
                generation: int = 0) -> Any:
         """``req``'s digest of ``[prefix, length)`` over this leg's pool, from the scheduler's
         ``req_to_token`` row of the request (and its state slots, its sliding window)."""
-        from sglang.pdsafe.kv_digest import Space, digest_request
-
+        Space, digest_request = kv_digest.Space, kv_digest.digest_request
         rtp = scheduler.req_to_token_pool
         pool_idx = req.kv.req_pool_idx
         kwargs: dict[str, Any] = {}
@@ -273,6 +269,8 @@ class Digester:
                               length=length, room=room, generation=generation, **kwargs)
 
 
+@hook("kv_integrity.leg_digester", outcome=Outcome.POISON, counter=FAILED,
+      on_failure=policy.reraise_at_startup, effect="the scheduler refuses to start")
 def leg_digester(pool: Any, disagg: Any) -> Digester | None:
     """Init hook of both PD queues: this leg's :class:`Digester`, or None when the digest is
     off (explicitly: the startup report warns). A pool layout the digest cannot cover
@@ -280,15 +278,11 @@ def leg_digester(pool: Any, disagg: Any) -> Digester | None:
     serving transfers that every decode would refuse."""
     if not carrier_enabled(disagg):
         return None
-    from sglang.pdsafe import kv_breaker
-    from sglang.pdsafe.kv_digest import UnsupportedLayout
-
     kv_breaker.breaker()  # a malformed SGLANG_PDSAFE_KV_MISMATCH_BREAKER refuses the start
-
     try:
         return Digester(pool)
-    except UnsupportedLayout as e:
-        raise RuntimeError(
+    except kv_digest.UnsupportedLayout as e:
+        raise policy.StartupRefusedError(
             f"sglang-pdsafe: the KV digest cannot cover this server's KV pool ({e}). Every "
             f"transfer would be refused. Start both PD legs with {ENV_ENABLE}=0 to serve this "
             "layout without the KV integrity check (logged as a warning at startup).") from e
@@ -307,33 +301,44 @@ def _prefill_generation(req: Any) -> int:
     return int(sender.pdsafe_transfer_generation())
 
 
+def _row_failed(failure: policy.Failure) -> bool:
+    """The digest could not be written: the row is zeroed (decode would refuse it) and the
+    room fails now (the decode told Failed), instead of waiting for the decode's check."""
+    scheduler, req = failure.args[0], failure.args[1]
+    buf = getattr(getattr(scheduler, "disagg_metadata_buffers", None), "kv_checksum", None)
+    index = getattr(req, "metadata_buffer_index", -1)
+    if buf is not None and index is not None and index >= 0:
+        buf[index] = 0
+    sender = getattr(req, "disagg_kv_sender", None)
+    transfer.fail_room(getattr(sender, "kv_mgr", None), getattr(req, "bootstrap_room", None),
+                       failure.refusal(500, "the KV transfer (prefill could not digest its "
+                                            "KV)"))
+    return False
+
+
+def _req_key(scheduler: Any, req: Any, *_: Any, **__: Any) -> Any:
+    return ("room", getattr(req, "bootstrap_room", None), _rid(req))
+
+
+@hook("kv_integrity.prefill_write_row", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_row_failed, key=_req_key,
+      effect="the row is zeroed and the room fails at once (500; the decode told Failed)")
 def prefill_write_row(scheduler: Any, req: Any, digester: Digester,
                       end_idx: int | None) -> bool:
     """Prefill, at the request's last chunk, before the chunk (and the aux data) is sent:
-    digest ``[req.disagg_decode_prefix_len, end_idx)`` into the request's row. Every request,
-    whatever its rid. On failure the row is zeroed (decode refuses it), the failure logged
-    and counted; the send goes on (decode fails the request with the reason). Returns
-    whether a digest was written."""
+    digest ``[req.disagg_decode_prefix_len, end_idx)`` into the request's row, bound to the
+    generation the room's decode ranks sent. Every request, whatever its rid. Returns whether
+    a digest was written."""
     buf = scheduler.disagg_metadata_buffers.kv_checksum
     index = req.metadata_buffer_index
-    try:
-        if end_idx is None:  # upstream's default end of the last chunk
-            end_idx = min(req.extend_end, len(req.origin_input_ids))
-        prefix = int(getattr(req, "disagg_decode_prefix_len", 0) or 0)
-        d = digester.digest(scheduler, req, prefix=prefix, length=int(end_idx),
-                            room=int(req.bootstrap_room or 0),
-                            generation=_prefill_generation(req))
-        write_row(buf, index, encode_row(d))
-        return True
-    except Exception as e:  # noqa: BLE001 - fail closed: zero row, decode refuses it
-        metrics.inc("hook_api_mismatch_total" if is_mismatch(e) else FAILED)
-        logger.error("sglang-pdsafe: prefill could not digest the KV of request %s (room %s); "
-                     "it sends no digest and decode will refuse the transfer: %s: %s",
-                     _rid(req), getattr(req, "bootstrap_room", None), type(e).__name__, e,
-                     exc_info=True)
-        if buf is not None:
-            buf[index] = 0
-        return False
+    if end_idx is None:  # upstream's default end of the last chunk
+        end_idx = min(req.extend_end, len(req.origin_input_ids))
+    prefix = int(getattr(req, "disagg_decode_prefix_len", 0) or 0)
+    d = digester.digest(scheduler, req, prefix=prefix, length=int(end_idx),
+                        room=int(req.bootstrap_room or 0),
+                        generation=_prefill_generation(req))
+    write_row(buf, index, encode_row(d))
+    return True
 
 
 # --------------------------------------------------------------------------- decode
@@ -352,42 +357,45 @@ class Expected:
     generation: int = 0  # the reservation's transfer generation (transfer_generation)
 
 
-def _range(decode_req: Any) -> tuple[int, int]:
+def _range(rec: transfer.Transfer | None, req: Any) -> tuple[int, int]:
     """The token range decode reserved and prefill attested (coverage), else upstream's."""
-    from sglang.pdsafe import coverage
-
-    res = coverage.reservation_of(decode_req)
+    res = rec.coverage if rec is not None else None
     if res is not None:
         return res.first_token_idx, res.end_token_idx
-    req = decode_req.req
     return int(req.kv.cache_protected_len), len(req.origin_input_ids)
 
 
+def _capture_failed(failure: policy.Failure) -> None:
+    """The digest row could not be kept: the request is aborted now (500), before it is
+    committed; its pages go back through upstream's failed-commit path."""
+    req = failure.args[1].req
+    refusal = failure.refusal(500, "the request (decode could not keep prefill's KV digest "
+                                   "row)")
+    prepare_abort(req, refusal.reason, status_code=refusal.status)
+
+
+@hook("kv_integrity.capture", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_capture_failed,
+      key=lambda q, decode_req, **_: ("room", decode_req.req.bootstrap_room,
+                                      _rid(decode_req.req)),
+      effect="the request is aborted at commit (500), never decoded unchecked")
 def capture(transfer_queue: Any, decode_req: Any, *, fake: bool) -> None:
     """Decode, at commit (``_commit_transfer_to_req``), before the metadata slot is freed:
-    keep prefill's row and the range to check on the request. Never raises: a failure leaves
-    no record, and the check then fails the request."""
-    from sglang.pdsafe import peer_policy
-
+    keep prefill's row and the range to check in the transfer's record."""
     req = decode_req.req
-    try:
-        buf = transfer_queue.metadata_buffers.kv_checksum
-        words = (None if buf is None
-                 else tuple(int(v) for v in buf[decode_req.metadata_buffer_index].tolist()))
-        prefix, length = (0, 0) if fake else _range(decode_req)
-        receiver = getattr(decode_req, "kv_receiver", None)
-        generation = (receiver.pdsafe_transfer_generation()
-                      if hasattr(receiver, "pdsafe_transfer_generation") else 0)
-        setattr(req, _ATTR, Expected(
-            words=words, prefix=prefix, length=length, fake=fake,
-            stock_waiver=not fake and peer_policy.digest_waivable(decode_req),
-            bootstrap_addr=str(getattr(receiver, "bootstrap_addr", "") or ""),
-            generation=int(generation)))
-    except Exception as e:  # noqa: BLE001 - the check fails the request (counted there)
-        logger.error("sglang-pdsafe: could not keep the KV digest row of request %s: %s: %s",
-                     _rid(req), type(e).__name__, e, exc_info=True)
-        setattr(req, _ATTR, f"decode could not keep prefill's digest row at commit "
-                            f"({type(e).__name__}: {e})")
+    receiver = getattr(decode_req, "kv_receiver", None)
+    rec = transfer.of(req)
+    if rec is None:  # a fake transfer (server warmup) or a stand-in: a detached record
+        rec = transfer.attach(req, transfer.leg(receiver.kv_mgr).open(None, _rid(req)))
+    buf = transfer_queue.metadata_buffers.kv_checksum
+    words = (None if buf is None
+             else tuple(int(v) for v in buf[decode_req.metadata_buffer_index].tolist()))
+    prefix, length = (0, 0) if fake else _range(rec, req)
+    rec.digest = Expected(
+        words=words, prefix=prefix, length=length, fake=fake,
+        stock_waiver=not fake and peer_policy.digest_waivable(decode_req),
+        bootstrap_addr=str(getattr(receiver, "bootstrap_addr", "") or ""),
+        generation=int(rec.generation if rec.generation_sent else 0))
 
 
 @dataclass(frozen=True)
@@ -418,23 +426,22 @@ def check_request(scheduler: Any, req: Any, digester: Digester, *, kv_manager: A
     """Decode, when ``req`` first enters a batch: its own digest over its pages against the
     row prefill sent (see the module doc for every verdict). ``inject`` (upstream's test
     knob) flips decode's digest, so the request fails as a mismatch."""
-    from sglang.pdsafe import kv_digest
-
-    exp = getattr(req, _ATTR, None)
+    rec = transfer.of(req)
+    exp = rec.digest if rec is not None else None
     if exp == VERIFIED:
         return _OK  # resumed from decode's own backup: no transfer since its check
     if not isinstance(exp, Expected):
-        why = exp if isinstance(exp, str) else "decode kept no KV digest record at commit"
-        return _fail(FAILED, req, f"{why}; the KV cannot be checked, so it is not used")
+        return _fail(FAILED, req, "decode kept no KV digest record at commit; the KV cannot "
+                                  "be checked, so it is not used")
     if exp.fake:
-        setattr(req, _ATTR, VERIFIED)
+        _verified(rec, count=False)
         return _OK  # server warmup: no KV was transferred (clients cannot ask for this)
     try:
         row = decode_row(exp.words)
     except RowError as e:
         if e.reason == "missing" and exp.stock_waiver:
             metrics.inc(WAIVED)
-            setattr(req, _ATTR, VERIFIED)
+            _verified(rec, count=False)
             return _OK
         return _fail(MISSING if e.reason == "missing" else INVALID, req, f"{e}; the KV cannot "
                      "be checked, so it is not used (a stock prefill during an upgrade: see "
@@ -446,15 +453,8 @@ def check_request(scheduler: Any, req: Any, digester: Digester, *, kv_manager: A
                                    "KV (another TP/PP/DCP sharding); it cannot be checked. "
                                    f"Shard both legs alike, or run both with {ENV_ENABLE}=0",
                      row.room, row.generation)
-    try:
-        actual = digester.digest(scheduler, req, prefix=exp.prefix, length=exp.length,
-                                 room=int(req.bootstrap_room or 0),
-                                 generation=exp.generation)
-    except Exception as e:  # noqa: BLE001 - fail closed
-        logger.error("sglang-pdsafe: decode could not digest the KV of request %s: %s: %s",
-                     _rid(req), type(e).__name__, e, exc_info=True)
-        return _fail("hook_api_mismatch_total" if is_mismatch(e) else FAILED, req,
-                     f"decode could not digest its KV ({type(e).__name__}: {e})")
+    actual = digester.digest(scheduler, req, prefix=exp.prefix, length=exp.length,
+                             room=int(req.bootstrap_room or 0), generation=exp.generation)
     if inject:
         actual = replace(actual, value=actual.value[:-1] + bytes([actual.value[-1] ^ 1]))
     expected = kv_digest.KvDigest(
@@ -464,8 +464,7 @@ def check_request(scheduler: Any, req: Any, digester: Digester, *, kv_manager: A
         signature=row.signature_hi + actual.signature[8:])
     verdict = kv_digest.verify(expected, actual, rid=_rid(req))
     if verdict.ok:
-        setattr(req, _ATTR, VERIFIED)
-        metrics.inc(VERIFIED_COUNTER)
+        _verified(rec, count=True)
         return _OK
     counter = {kv_digest.Outcome.MISMATCH: MISMATCH,
                kv_digest.Outcome.MISSING: MISSING}.get(verdict.outcome, INVALID)
@@ -474,6 +473,15 @@ def check_request(scheduler: Any, req: Any, digester: Digester, *, kv_manager: A
         message += (f" (signature {row.signature_hi.hex()} vs {actual.signature[:8].hex()}; "
                     f"decode's layout: {actual.signature_text})")
     return Check(counter, message)
+
+
+def _verified(rec: transfer.Transfer, *, count: bool) -> None:
+    """The record's KV was checked (or needs none): it may decode."""
+    rec.digest = VERIFIED
+    if rec.state is State.VERIFIED:
+        rec.advance(State.COMMITTED)
+    if count:
+        metrics.inc(VERIFIED_COUNTER)
 
 
 class Refused(dict):
@@ -489,6 +497,23 @@ class Refused(dict):
 DECODE, REFUSE, REFUSE_MISMATCH = 0, 1, 2
 
 
+def _refuse_batch(failure: policy.Failure) -> Refused:
+    """The check could not run: every request of the batch is refused (500)."""
+    reqs = failure.args[1]
+    out = Refused()
+    message = failure.refusal(500, "the request (decode could not check its KV digest)").reason
+    for i in range(len(reqs)):
+        out[i] = message
+    return out
+
+
+def _batch_key(scheduler: Any, reqs: list[Any], *_: Any, **__: Any) -> Any:
+    return ("batch", tuple(_rid(r) for r in reqs))
+
+
+@hook("kv_integrity.verify_batch", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_refuse_batch, key=_batch_key,
+      effect="every request of the batch is refused (500) before its first decode step")
 def verify_batch(scheduler: Any, reqs: list[Any], digester: Digester, *,
                  inject: Any = None) -> Refused:
     """Decode's ``_verify_kv_checksums``: check every request of a new prebuilt batch; returns
@@ -499,18 +524,24 @@ def verify_batch(scheduler: Any, reqs: list[Any], digester: Digester, *,
                          None)
     failed = Refused()
     for i, req in enumerate(reqs):
-        exp = getattr(req, _ATTR, None)
+        rec = transfer.of(req)
+        exp = rec.digest if rec is not None else None
         flip = (isinstance(exp, Expected) and not exp.fake and inject is not None
                 and bool(inject()))
         check = check_request(scheduler, req, digester, kv_manager=kv_manager, inject=flip)
         if not check.ok:
             metrics.inc(check.counter)
             failed[i] = check.message
+            if rec is not None:
+                rec.refuse(policy.Refusal(REFUSAL_STATUS, check.message, check.counter))
             if check.counter == MISMATCH:
                 failed.mismatch.add(i)
     return failed
 
 
+@hook("kv_integrity.flags", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=lambda failure: [REFUSE] * int(failure.args[1]),
+      effect="every request of the batch is flagged refused")
 def flags(refused: dict[int, str], n: int) -> list[int]:
     """The flags of ``n`` requests for the TP ranks' MAX agreement (see ``DECODE``...)."""
     mismatch = getattr(refused, "mismatch", set())
@@ -518,19 +549,28 @@ def flags(refused: dict[int, str], n: int) -> list[int]:
             for i in range(n)]
 
 
+def _breaker_failed(failure: policy.Failure) -> None:
+    """The breaker could not count: with a breaker configured the server is poisoned (it
+    can no longer promise to stop after N mismatches); without one nothing is lost."""
+    if kv_breaker.breaker() is not None:
+        policy.poison(f"the KV mismatch breaker could not count ({failure.exc})",
+                      by=failure.spec.name)
+
+
+@hook("kv_integrity.agreed", outcome=Outcome.POISON, counter=FAILED,
+      on_failure=_breaker_failed,
+      effect="with a mismatch breaker configured the server is poisoned (the requests are "
+             "refused regardless)")
 def agreed(agreed_flags: list[int]) -> None:
     """After the TP ranks agreed (MAX) on the refused set: count its mismatches in the
-    breaker (:mod:`kv_breaker`), the same on every rank. Never raises."""
-    from sglang.pdsafe import kv_breaker
-
-    try:
-        kv_breaker.note_mismatches(sum(1 for f in agreed_flags if f == REFUSE_MISMATCH))
-    except Exception as e:  # noqa: BLE001 - the requests are refused regardless
-        metrics.inc(FAILED)
-        logger.error("sglang-pdsafe: the KV mismatch breaker failed: %s: %s",
-                     type(e).__name__, e, exc_info=True)
+    breaker (:mod:`kv_breaker`), the same on every rank."""
+    kv_breaker.note_mismatches(sum(1 for f in agreed_flags if f == REFUSE_MISMATCH))
 
 
+@hook("kv_integrity.peer_rank_message", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=lambda failure: (f"{HEAD}: another TP rank of this decode refused this "
+                                  "request's KV (see that rank's log)"),
+      effect="the request is refused with a generic message")
 def peer_rank_message(req: Any) -> str:
     """The failure of a request that another TP rank of this decode found corrupt."""
     return (f"{HEAD} (request {_rid(req)}, room {getattr(req, 'bootstrap_room', None)}, "
@@ -539,5 +579,6 @@ def peer_rank_message(req: Any) -> str:
 
 
 def _expected_generation(req: Any) -> int:
-    exp = getattr(req, _ATTR, None)
+    rec = transfer.of(req)
+    exp = rec.digest if rec is not None else None
     return exp.generation if isinstance(exp, Expected) else 0

@@ -40,6 +40,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from sglang.pdsafe import policy
+from sglang.pdsafe.policy import Outcome, hook
 from sglang.pdsafe.protections import pd_mode
 
 logger = logging.getLogger("sglang.pdsafe.limits")
@@ -160,10 +162,12 @@ def leg_limit(mode: str, *, kv_capacity: int, upstream_limit: int, page_size: in
     return out
 
 
-class NoSchedulablePromptError(RuntimeError):
+class NoSchedulablePromptError(policy.StartupRefusedError):
     """A PD server whose KV pool cannot schedule even a one-token prompt."""
 
 
+@hook("limits.pd_input_limit", outcome=Outcome.POISON, counter="admission_check_failed_total",
+      on_failure=policy.reraise_at_startup, effect="the server refuses to start")
 def pd_input_limit(server_args: Any, kv_capacity: int, max_req_input_len: int,
                    page_size: int = 1) -> int:
     """This server's ``max_req_input_len`` with page rounding and reserved tokens (logged).

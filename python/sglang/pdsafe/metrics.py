@@ -71,12 +71,25 @@ COUNTERS: dict[str, str] = {
     # decode-page quarantine (issue #9, item 4)
     "quarantine_released_ack_total":
         "Quarantined decode transfers released on a drain ACK from every prefill writer rank.",
-    "quarantine_released_peer_gone_total":
-        "Quarantined decode transfers released because the heartbeat declared their prefill "
-        "writer gone (SGLANG_PDSAFE_QUARANTINE_PEER_GONE=0 disables this evidence).",
+    "quarantine_released_incarnation_total":
+        "Quarantined decode transfers released because their prefill writer registered again "
+        "with a new process incarnation (the process the destinations went to has exited).",
+    "quarantine_released_operator_total":
+        "Quarantined decode transfers released by an operator's POST "
+        "/pdsafe/quarantine/release (the operator asserted the writer can no longer write).",
+    "quarantine_released_pool_gone_total":
+        "Quarantined decode transfers whose hold ended because the KV pool itself was torn "
+        "down (release_memory_occupation): no page remained to guard.",
+    "quarantine_peer_gone_alarm_total":
+        "Prefill writers the decode heartbeat declared gone (alarm only: missed heartbeats do "
+        "not prove a partitioned writer stopped writing; its quarantined pages stay held).",
+    "quarantine_operator_release_total":
+        "Operator releases of quarantined pages requested through POST "
+        "/pdsafe/quarantine/release (each logged with the writer named).",
     "quarantine_overdue_total":
         "Quarantined decode transfers past upstream's release timeout with neither a drain ACK "
-        "nor their prefill proven gone (alarm; the pages stay held, upstream would reuse them).",
+        "nor a new incarnation of their prefill (alarm; the pages stay held, upstream would "
+        "reuse them).",
     "quarantine_limit_refused_total":
         "PD requests (and health checks) a decode refused (503) because its quarantined KV "
         "passed SGLANG_PDSAFE_QUARANTINE_LIMIT of the pool.",
@@ -190,8 +203,42 @@ COUNTERS: dict[str, str] = {
         "Source-lease hooks that failed (arming, taking, checking or freeing a lease). A lease "
         "that took its pages keeps them for good (fail closed); one that could not be armed "
         "leaves the pages to upstream's immediate release.",
+    # the failure policy (issue 19)
+    "server_poisoned_total":
+        "Times this server poisoned itself: a hook whose failure outcome is POISON failed, a "
+        "failure outcome itself could not be carried out, or SGLANG_PDSAFE_POISON_AFTER "
+        "distinct hook failures were reached. It then refuses new PD requests (503, /health "
+        "says why) until it is restarted. Operator: read the server log (CRITICAL 'pdsafe'), "
+        "fix the cause, restart.",
+    "poisoned_refused_total":
+        "PD requests (and health checks) refused with 503 because this server is poisoned.",
+    "startup_failed_total":
+        "pdsafe startup checks that could not run; the server refused to start.",
+    "admission_check_failed_total":
+        "Admission checks (input length, client guard, placeholder guard, limits) that could "
+        "not run; the request was refused (503), never served unchecked.",
+    "coverage_check_failed_total":
+        "Coverage-attestation hooks (reservation record, prefill attestation, commit gate) "
+        "that could not run; the transfer was refused at once (500/503).",
+    "write_fence_failed_total":
+        "Writer-fence hooks that could not run (a discarded chunk not counted); the chunk was "
+        "dropped regardless.",
+    "fake_transfer_served_total":
+        "PD requests served by the fake transfer backend under "
+        "SGLANG_PDSAFE_WAIVE_FAKE_TRANSFER=1: decoded over KV pages nobody wrote for them, "
+        "with no coverage check, no digest and no generation (benchmarks only).",
+    "rows_held_for_good_total":
+        "Request KV rows (pages and request slot) pdsafe holds for good because evidence that "
+        "no writer can touch them can never come (a release hook failed, a backend could not "
+        "prove its writes settled); they are never freed before a restart and stay accounted "
+        "to the server (gauge held_rows).",
 }
 GAUGES: dict[str, str] = {
+    "poisoned":
+        "1 while this server is poisoned (refuses new PD requests until restarted), else 0.",
+    "held_rows":
+        "Request KV rows pdsafe holds outside upstream's queues (source leases awaiting drain "
+        "evidence, rows held for good); counted as in use by the idle memory check.",
     "quarantined_tokens":
         "KV tokens of decode pages held in quarantine (aborted or failed transfers whose "
         "prefill writers have not acknowledged the drain nor been proven gone).",

@@ -45,10 +45,21 @@ decode host-receive path, unknown subclasses): never silently unprotected.
   :func:`prefill_success_refusal` answers the refusal (500) if a source page was freed while
   the transfer read it, counted in ``page_generation_source_moved_total``;
 * **no double free**: a page whose generation moved is not the request's any more (another
-  request may hold it, or it waits in the free list). :func:`release_scope` (decode's
-  ``_release_request``) and :func:`source_release_scope` (prefill's Success release) make the
-  request's own release skip exactly those pages (counted in
+  request may hold it, or it waits in the free list). :func:`release_request` (decode's
+  ``_release_request``) and :func:`release_source` (prefill's Success release) run upstream's
+  release of the request with exactly those pages skipped (counted in
   ``page_generation_free_skipped_total``), and on prefill also skip the radix-cache insert.
+
+State: what a transfer snapshotted lives in its :class:`~sglang.pdsafe.transfer.Transfer`
+record (``record.pages``: a :class:`Reservation` on decode, a :class:`SourceRecord` on
+prefill), nowhere else.
+
+Failure policy (:mod:`sglang.pdsafe.policy`): a snapshot or check that cannot run refuses its
+transfer at once (the room fails through upstream's own failure path; at commit and Success,
+500); a release that cannot run **holds** the request's row for good (its pages are never
+freed, rather than possibly freed twice; accounted to the server, counted in
+``rows_held_for_good_total``); a free whose filtering fails frees none of its pages and poisons
+the server (the table can no longer prove which pages a request owns).
 
 Off: ``SGLANG_PDSAFE_PAGE_GENERATION=0`` (startup warning; nothing attached, upstream's bare
 free lists). Not done here: the page generation itself does not travel on the wire (the
@@ -68,9 +79,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from sglang.pdsafe import hook_api, metrics
-from sglang.pdsafe.hook_api import guarded
-from sglang.pdsafe.protections import Protection, is_pd, pd_mode, register, switch_on
+from sglang.pdsafe import hook_api, metrics, policy, transfer
+from sglang.pdsafe.policy import Outcome, hook, returns
+from sglang.pdsafe.protections import Protection, off_by, pd_mode, register, switch_on
+from sglang.pdsafe.transfer import State
 
 logger = logging.getLogger("sglang.pdsafe.page_generation")
 
@@ -79,8 +91,6 @@ MOVED = "page_generation_moved_total"
 SOURCE_MOVED = "page_generation_source_moved_total"
 SKIPPED = "page_generation_free_skipped_total"
 FAILED = "page_generation_failed_total"
-_RESERVATION_ATTR = "_pdsafe_page_generation_reservation"
-_SOURCE_ATTR = "_pdsafe_page_generation_source"
 _SHOWN_PAGES = 16  # pages named in a refusal message (the count is always complete)
 
 _ALLOC = "sglang.srt.mem_cache.allocator"
@@ -126,14 +136,16 @@ register(Protection(
            "each free; decode refuses (500) a transfer whose reserved pages were freed before "
            "commit, prefill one whose source pages were freed before Success, and neither "
            "frees such pages a second time",
-    is_active=lambda server_args: is_pd(server_args) and enabled(),
-    disabled_by=f"{ENV_ENABLE}=0",
+    switched_off=off_by(ENV_ENABLE),
 ))
 
 
 class UncoveredAllocatorError(RuntimeError):
     """A PD server's allocator is not covered by page generations (the server refuses to
     start)."""
+
+
+policy.answers(UncoveredAllocatorError)
 
 
 def _qualname(obj: Any) -> str:
@@ -153,9 +165,11 @@ class GenerationTable:
     request still references but no longer owns): they are neither stamped nor released.
     """
 
-    def __init__(self, name: str, num_pages: int, device: Any) -> None:
+    def __init__(self, name: str, num_pages: int, device: Any, role: str = "kv") -> None:
         self.name = name
+        self.role = role  # "kv"/"full", "swa" or "mamba": which pool a held page counts in
         self.epoch = 0
+        self.loose_held = 0  # pages of a failed free kept out of the free list (accounted)
         self.skip: torch.Tensor | None = None
         self.broken = False  # a stamp failed: no snapshot on this table proves anything
         self._set(torch.zeros(max(int(num_pages), 1), dtype=torch.int64, device=device))
@@ -175,27 +189,9 @@ class GenerationTable:
 
     def freed(self, *page_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Upstream's free funnel: stamp ``page_ids`` with a new epoch; returns the ids to
-        release (all of them, unless a release scope skips some). Never raises into the
-        free: a failure marks the table broken (every later check on it refuses, fail closed)
-        and releases the ids as upstream would."""
-        self.epoch += 1
-        try:
-            if self.skip is not None:
-                page_ids = tuple(self._without_skipped(ids) for ids in page_ids)
-            gens_np = self._np
-            for ids in page_ids:
-                if gens_np is not None and ids.device.type == "cpu":
-                    gens_np[ids.numpy()] = self.epoch
-                else:
-                    self.gens.index_fill_(0, self._index(ids), self.epoch)
-        except Exception as e:  # noqa: BLE001 - the free itself must go on
-            metrics.inc(FAILED)
-            if not self.broken:
-                logger.error("pdsafe page generation: stamping a free in %s failed (%s: %s); "
-                             "the table is broken: every transfer checked against it from now "
-                             "on is refused.", self.name, type(e).__name__, e, exc_info=True)
-            self.broken = True
-        return page_ids
+        release (all of them, unless a release scope skips some). Never raises into the free
+        (:func:`stamp_free`, a hook whose failure frees none of the ids and poisons)."""
+        return stamp_free(self, page_ids)
 
     def cleared(self, num_pages: int) -> None:
         """Upstream's ``clear()`` (also after a resize): every page is free again."""
@@ -226,6 +222,46 @@ def table_of(leaf: Any) -> GenerationTable | None:
     """The table attached to ``leaf`` (None: not attached)."""
     table = getattr(leaf, "pdsafe_page_generations", None)
     return table if isinstance(table, GenerationTable) else None
+
+
+def _free_failed(failure: policy.Failure) -> tuple[torch.Tensor, ...]:
+    """A free whose stamp or filtering failed: the table is broken (every later check on it
+    refuses; the server is poisoned). The free goes on without the pages an open release
+    scope skips (filtered again on the host); if even that fails, none of its pages is freed
+    (kept out of the free list, counted), never one the request no longer owns."""
+    table, page_ids = failure.args[0], failure.args[1]
+    table.broken = True
+    try:
+        skip = set() if table.skip is None else {int(p) for p in table.skip.tolist()}
+        return tuple(ids if not skip else ids[torch.tensor(
+            [int(p) not in skip for p in ids.tolist()], dtype=torch.bool, device=ids.device)]
+            for ids in page_ids)
+    except Exception:  # noqa: BLE001 - a second failure: keep every page of this free
+        with contextlib.suppress(Exception):
+            table.loose_held += sum(int(ids.numel()) for ids in page_ids)
+        logger.critical("pdsafe page generation: a free of %s could not be filtered; its "
+                        "pages are kept out of the free list for good", table.name)
+        return ()
+
+
+@hook("page_generation.freed", outcome=Outcome.POISON, counter=FAILED,
+      on_failure=_free_failed,
+      effect="the server is poisoned and the table broken; the free goes on without the "
+             "pages an open release scope skips (never a second free)")
+def stamp_free(table: GenerationTable, page_ids: tuple[torch.Tensor, ...]
+               ) -> tuple[torch.Tensor, ...]:
+    """Stamp ``page_ids`` (one free call) with a new epoch of ``table``; returns the ids to
+    release (without the ones an open release scope skips)."""
+    table.epoch += 1
+    if table.skip is not None:
+        page_ids = tuple(table._without_skipped(ids) for ids in page_ids)
+    gens_np = table._np
+    for ids in page_ids:
+        if gens_np is not None and ids.device.type == "cpu":
+            gens_np[ids.numpy()] = table.epoch
+        else:
+            table.gens.index_fill_(0, table._index(ids), table.epoch)
+    return page_ids
 
 
 # =========================================================================== coverage
@@ -289,6 +325,8 @@ def uncovered(allocator: Any, req_to_token_pool: Any, server_args: Any) -> list[
     return problems
 
 
+@hook("page_generation.install", outcome=Outcome.POISON, counter=FAILED,
+      on_failure=policy.reraise_at_startup, effect="the scheduler refuses to start")
 def install(allocator: Any, req_to_token_pool: Any, server_args: Any) -> list[str]:
     """Scheduler start: attach a table to every leaf of a PD server's pools.
 
@@ -323,7 +361,7 @@ def install(allocator: Any, req_to_token_pool: Any, server_args: Any) -> list[st
         table = table_of(part.leaf)
         if table is None:
             table = GenerationTable(f"{part.role} pool ({_qualname(part.leaf).rpartition('.')[2]})",
-                                    _num_pages(part.leaf), part.leaf.device)
+                                    _num_pages(part.leaf), part.leaf.device, role=part.role)
             part.leaf.pdsafe_page_generations = table
         names.append(table.name)
         if all(t is not table for t in _PROCESS_TABLES):
@@ -450,18 +488,14 @@ def _describe(detail: list[tuple[GenerationTable, torch.Tensor]]) -> str:
 
 @contextlib.contextmanager
 def _skipping(detail: list[tuple[GenerationTable, torch.Tensor]]) -> Iterator[None]:
-    """While open, the tables in ``detail`` do not release their listed pages."""
+    """While open, the tables in ``detail`` do not release their listed pages. Arming
+    raises into the release hook (whose failure holds the whole row), never frees."""
     armed = []
     try:
         for table, pages in detail:
             if pages.numel():
                 table.skip = pages if table.skip is None else torch.cat((table.skip, pages))
                 armed.append(table)
-    except Exception as e:  # noqa: BLE001 - never raise into upstream's release
-        metrics.inc(FAILED)
-        logger.error("pdsafe page generation: arming the release scope failed (%s: %s)",
-                     type(e).__name__, e, exc_info=True)
-    try:
         yield
     finally:
         for table in armed:
@@ -482,9 +516,8 @@ class Reservation:
     moved: list[tuple[GenerationTable, torch.Tensor]] = field(default_factory=list)
 
 
-def _reservation(decode_req: Any) -> Reservation | None:
-    res = getattr(decode_req, _RESERVATION_ATTR, None)
-    return res if isinstance(res, Reservation) else None
+def _record(req: Any) -> transfer.Transfer | None:
+    return transfer.of(req)
 
 
 def _mamba_snapshot(req_to_token_pool: Any, req: Any) -> Snapshot | None:
@@ -495,14 +528,34 @@ def _mamba_snapshot(req_to_token_pool: Any, req: Any) -> Snapshot | None:
     return snapshot(mamba, slot.reshape(-1))
 
 
-@guarded("page_generation.note_decode_reservation", FAILED, default=None)
+def _room_key(*args: Any, **_: Any) -> Any:
+    """Failure key: the bootstrap room of the request the hook is about."""
+    for a in args:
+        req = getattr(a, "req", a)
+        room = getattr(req, "bootstrap_room", None)
+        if room is not None:
+            return ("room", room, str(getattr(req, "rid", "")))
+    return None
+
+
+def _fail_decode_room(failure: policy.Failure) -> None:
+    """Refuse the transfer now: its room fails through upstream's path (its prefill told)."""
+    decode_req = failure.args[1]
+    refusal = failure.refusal(500, "the KV transfer (its reserved pages could not be "
+                                   "snapshotted)")
+    receiver = getattr(decode_req, "kv_receiver", None)
+    transfer.fail_room(getattr(receiver, "kv_mgr", None), decode_req.req.bootstrap_room,
+                       refusal)
+
+
+@hook("page_generation.note_decode_reservation", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_fail_decode_room, key=_room_key,
+      effect="the room fails at once (500, the prefill told); commit would refuse it too")
 def note_decode_reservation(queue: Any, decode_req: Any, page_indices: Sequence[int],
                             page_size: int, destination: Any = None) -> None:
     """``DecodePreallocQueue._send_kv_metadata``, before the page indices go to prefill:
-    snapshot the generations of the pages (and Mamba slot) this transfer writes.
-
-    A failure here is counted and leaves no reservation; :func:`decode_commit_refusal` then
-    refuses the transfer (nothing proves its pages)."""
+    snapshot the generations of the pages (and Mamba slot) this transfer writes, into its
+    record."""
     allocator = getattr(queue, "token_to_kv_pool_allocator", None)
     if not enabled() or not installed(allocator):
         return
@@ -512,9 +565,10 @@ def note_decode_reservation(queue: Any, decode_req: Any, page_indices: Sequence[
         raise ValueError(f"transfer page size {page_size} is not the allocator's "
                          f"{allocator.page_size}; the pages cannot be snapshotted")
     req = decode_req.req
-    setattr(decode_req, _RESERVATION_ATTR, Reservation(
-        room=req.bootstrap_room, rid=str(req.rid), kv=snapshot(allocator, page_indices),
-        mamba=_mamba_snapshot(queue.req_to_token_pool, req)))
+    rec = transfer.open_for(decode_req.kv_receiver.kv_mgr, req)
+    rec.pages = Reservation(room=req.bootstrap_room, rid=str(req.rid),
+                            kv=snapshot(allocator, page_indices),
+                            mamba=_mamba_snapshot(queue.req_to_token_pool, req))
 
 
 #: The refusal when the check itself failed: fail closed (the transfer is not committed).
@@ -524,7 +578,9 @@ CHECK_FAILED = ("pdsafe page generation: this decode could not check whether the
                 f"{metrics.PREFIX}{FAILED}.")
 
 
-@guarded("page_generation.decode_commit_refusal", FAILED, default=CHECK_FAILED)
+@hook("page_generation.decode_commit_refusal", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(CHECK_FAILED), key=_room_key,
+      effect="500 at commit; the request is not decoded")
 def decode_commit_refusal(transfer_queue: Any, decode_req: Any) -> str | None:
     """``DecodeTransferQueue._commit_transfer_to_req``, before the coverage gate: None when
     every page (and the Mamba slot) this transfer reserved still has its generation, else
@@ -532,11 +588,14 @@ def decode_commit_refusal(transfer_queue: Any, decode_req: Any) -> str | None:
 
     The ranks of a TP group free in lockstep, so they agree without an all-reduce (as for
     upstream's room check)."""
+    req = decode_req.req
+    rec = _record(req)
+    if rec is not None and rec.state is State.SENT:
+        rec.advance(State.WRITTEN)  # the backend reported the transfer done
     allocator = getattr(transfer_queue.scheduler, "token_to_kv_pool_allocator", None)
     if not enabled() or not installed(allocator):
         return None
-    res = _reservation(decode_req)
-    req = decode_req.req
+    res = rec.pages if rec is not None and isinstance(rec.pages, Reservation) else None
     if res is None:
         metrics.inc(FAILED)
         return (f"pdsafe page generation: KV transfer refused for request {req.rid} "
@@ -545,7 +604,7 @@ def decode_commit_refusal(transfer_queue: Any, decode_req: Any) -> str | None:
                 "request was not decoded. This is an sglang-pdsafe bug: please report it.")
     detail = _moved_detail(res.kv) + (_moved_detail(res.mamba) if res.mamba else [])
     if not detail:
-        delattr(decode_req, _RESERVATION_ATTR)  # committed: nothing is held any more
+        rec.pages = None  # committed: nothing is held any more
         return None
     res.moved = detail
     metrics.inc(MOVED)
@@ -559,31 +618,62 @@ def decode_commit_refusal(transfer_queue: Any, decode_req: Any) -> str | None:
     return msg
 
 
-def release_scope(transfer_queue: Any, decode_req: Any) -> contextlib.AbstractContextManager:
-    """``DecodeTransferQueue._release_request``, around upstream's ``release_kv_cache``: pages
-    of this transfer freed since the reservation (refused at commit, or found now on a failed
-    transfer) are not freed again. Never raises into upstream."""
-    try:
-        res = _reservation(decode_req)
-        if res is None or not enabled():
-            return contextlib.nullcontext()
+def _hold_row(failure: policy.Failure) -> None:
+    """A release that could not run: the request's row (pages, request slot) is held for
+    good instead of released with pages it may no longer own (a possible double free);
+    accounted to the server, counted."""
+    req = getattr(failure.args[0], "req", failure.args[0])
+    rec = transfer.of(req)
+    if rec is not None:
+        if rec.is_open:
+            rec.refuse()
+        if rec.state in (State.REFUSED, State.HELD):
+            rec.advance(State.LEAKED, why=f"the {failure.spec.name} hook failed")
+    transfer.hold_row(id(req), req.kv)
+    metrics.inc("rows_held_for_good_total")
+    logger.error("pdsafe page generation: request %s (bootstrap_room=%s) keeps its KV row "
+                 "for good: its release could not check which pages are still its own, and a "
+                 "page freed twice would hand another request's KV around. Restart the server "
+                 "to reclaim it.", getattr(req, "rid", "?"), getattr(req, "bootstrap_room", "?"))
+
+
+@hook("page_generation.release_request", outcome=Outcome.HOLD, counter=FAILED,
+      on_failure=_hold_row, key=_room_key,
+      effect="upstream's release does not run: the request's row is held for good "
+             "(accounted), never freed twice")
+def release_request(decode_req: Any, release: Any) -> None:
+    """``DecodeTransferQueue._release_request``: run upstream's ``release()`` of the request
+    with the pages of this transfer freed since the reservation (refused at commit, or found
+    now on a failed transfer) skipped: they are not the request's any more."""
+    req = decode_req.req
+    rec = _record(req)
+    res = rec.pages if rec is not None and isinstance(rec.pages, Reservation) else None
+    detail: list[tuple[GenerationTable, torch.Tensor]] = []
+    if res is not None and enabled():
         detail = res.moved or (_moved_detail(res.kv)
                                + (_moved_detail(res.mamba) if res.mamba else []))
-        delattr(decode_req, _RESERVATION_ATTR)
-        if not detail:
-            return contextlib.nullcontext()
-        if not res.moved:  # a failed transfer: not refused at commit, but the pages moved
+        rec.pages = None
+        if detail and not res.moved:  # a failed transfer: not refused at commit, pages moved
             metrics.inc(MOVED)
             logger.error("pdsafe page generation: request %s (bootstrap_room=%s) is released "
                          "after its transfer failed, and pages reserved for it were freed "
                          "meanwhile (%s); they are not freed again.", res.rid, res.room,
                          _describe(detail))
-        return _skipping(detail)
-    except Exception as e:  # noqa: BLE001 - never raise into upstream's release
-        metrics.inc(FAILED)
-        logger.error("pdsafe page generation: release scope failed (%s: %s); upstream "
-                     "releases every page of the request.", type(e).__name__, e, exc_info=True)
-        return contextlib.nullcontext()
+    with _skipping(detail):
+        _upstream(release)
+    if rec is not None:  # a transfer released without being decoded ends here
+        if rec.is_open:
+            rec.refuse()
+        if rec.state is State.REFUSED:
+            rec.advance(State.RELEASED, why="released by upstream after its refusal")
+
+
+def _upstream(release: Any) -> None:
+    """Run upstream's release; its own exception is upstream's, not this hook's failure."""
+    try:
+        release()
+    except Exception as e:  # noqa: BLE001 - handed back to upstream unchanged
+        raise policy.UpstreamRaised(e) from e
 
 
 # =========================================================================== prefill hooks
@@ -598,16 +688,23 @@ class SourceRecord:
     moved: list[tuple[GenerationTable, torch.Tensor]] = field(default_factory=list)
 
 
-def _source_record(req: Any) -> SourceRecord | None:
-    record = getattr(req, _SOURCE_ATTR, None)
-    return record if isinstance(record, SourceRecord) else None
+def _fail_prefill_room(failure: policy.Failure) -> None:
+    """Refuse the transfer now: the prefill room fails (the decode told Failed)."""
+    req = failure.args[1]
+    refusal = failure.refusal(500, "the KV transfer (its source pages could not be "
+                                   "snapshotted)")
+    sender = getattr(req, "disagg_kv_sender", None)
+    transfer.fail_room(getattr(sender, "kv_mgr", None), getattr(req, "bootstrap_room", None),
+                       refusal)
 
 
-@guarded("page_generation.note_source_chunk", FAILED, default=None)
+@hook("page_generation.note_source_chunk", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_fail_prefill_room, key=_room_key,
+      effect="the room fails at once (500; the decode told Failed)")
 def note_source_chunk(scheduler: Any, req: Any, start_idx: int, end_idx: int) -> None:
     """``_send_kv_chunk``, before the chunk's pages go to the transfer workers: snapshot the
     generations of the source pages of ``[start_idx, end_idx)`` (device-side gather: no
-    device-to-host copy on the scheduling path)."""
+    device-to-host copy on the scheduling path), into the request's record."""
     allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
     if not enabled() or not installed(allocator) or end_idx <= start_idx:
         return
@@ -617,12 +714,13 @@ def note_source_chunk(scheduler: Any, req: Any, start_idx: int, end_idx: int) ->
     pages = locs[head::ps] // ps  # one token per page: no unique() (a device sync)
     if head:
         pages = torch.cat((locs[:1] // ps, pages))
-    record = _source_record(req)
-    sender_id = id(req.disagg_kv_sender)
-    if record is None or record.sender_id != sender_id:  # a new sender starts a new record
-        record = SourceRecord(sender_id)
-        setattr(req, _SOURCE_ATTR, record)
+    sender = req.disagg_kv_sender
+    rec = transfer.open_for(sender.kv_mgr, req)
+    record = rec.pages if isinstance(rec.pages, SourceRecord) else None
+    if record is None or record.sender_id != id(sender):  # a new sender starts a new record
+        record = rec.pages = SourceRecord(id(sender))
     record.snaps.append(_snapshot_device(allocator, pages))
+    rec.reach(State.SENT)
 
 
 def _snapshot_device(allocator: Any, pages: torch.Tensor) -> Snapshot:
@@ -637,14 +735,26 @@ def _snapshot_device(allocator: Any, pages: torch.Tensor) -> Snapshot:
     return Snapshot(None, (_Taken(table, dev_pages, table.current(dev_pages).clone(), owner),))
 
 
-@guarded("page_generation.prefill_success_refusal", FAILED, default=None)
+#: The refusal when the Success check itself failed (fail closed: the request fails).
+SOURCE_CHECK_FAILED = ("pdsafe page generation: this prefill could not check whether the "
+                       "source pages of this transfer stayed its own while they were read, "
+                       "and failed the request. Retry; operators: see the server log (ERROR "
+                       "'page_generation.prefill_success_refusal') and "
+                       f"{metrics.PREFIX}{FAILED}.")
+
+
+@hook("page_generation.prefill_success_refusal", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(SOURCE_CHECK_FAILED), key=_room_key,
+      effect="500 at Success: the request fails (the decode's digest checks the bytes too)")
 def prefill_success_refusal(scheduler: Any, req: Any) -> str | None:
     """``process_disagg_prefill_inflight_queue``, when the transfer polls Success: None when
     every source page sent still has its generation, else the refusal (the caller aborts the
-    request with 500; :func:`source_release_scope` then neither caches nor frees the moved
-    pages). A failure of this check is counted and lets upstream's Success stand: the
-    decode's KV digest still checks the bytes."""
-    record = _source_record(req)
+    request with 500; :func:`release_source` then neither caches nor frees the moved
+    pages)."""
+    rec = _record(req)
+    if rec is not None and rec.state is State.SENT:
+        rec.advance(State.WRITTEN)
+    record = rec.pages if rec is not None and isinstance(rec.pages, SourceRecord) else None
     if record is None or not enabled():
         return None
     detail: list[tuple[GenerationTable, torch.Tensor]] = []
@@ -664,20 +774,27 @@ def prefill_success_refusal(scheduler: Any, req: Any) -> str | None:
     return msg
 
 
-def source_release_scope(req: Any) -> contextlib.AbstractContextManager:
-    """Prefill's Success release (``release_kv_cache``): moved source pages are not inserted
-    into the radix cache nor freed again; the record ends. Never raises into upstream."""
-    try:
-        record = _source_record(req)
-        if record is None:
-            return contextlib.nullcontext()
-        delattr(req, _SOURCE_ATTR)
-        if not record.moved:
-            return contextlib.nullcontext()
-        req.skip_radix_cache_insert = True  # the row holds pages that are not the request's
-        return _skipping(record.moved)
-    except Exception as e:  # noqa: BLE001 - never raise into upstream's release
-        metrics.inc(FAILED)
-        logger.error("pdsafe page generation: source release scope failed (%s: %s)",
-                     type(e).__name__, e, exc_info=True)
-        return contextlib.nullcontext()
+@hook("page_generation.release_source", outcome=Outcome.HOLD, counter=FAILED,
+      on_failure=_hold_row, key=_room_key,
+      effect="upstream's release does not run: the request's row is held for good "
+             "(accounted), never freed twice")
+def release_source(req: Any, release: Any) -> None:
+    """Prefill's Success release (``release_kv_cache``): run upstream's ``release()`` with
+    moved source pages neither inserted into the radix cache nor freed again; the record's
+    source snapshots end (COMMITTED when the Success stood)."""
+    rec = _record(req)
+    record = rec.pages if rec is not None and isinstance(rec.pages, SourceRecord) else None
+    if record is None:
+        _upstream(release)
+        return
+    rec.pages = None
+    if not record.moved:
+        _upstream(release)
+        if rec.state is State.WRITTEN:
+            rec.advance(State.COMMITTED)
+        return
+    req.skip_radix_cache_insert = True  # the row holds pages that are not the request's
+    rec.refuse()
+    with _skipping(record.moved):
+        _upstream(release)
+    rec.advance(State.RELEASED, why="Success refused; its moved pages skipped")

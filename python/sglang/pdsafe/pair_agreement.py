@@ -42,7 +42,9 @@ logged as a warning at startup). Upstream's own checks still apply either way, a
 Invariant: a decode never transfers KV with a prefill whose published settings differ from
 its own in an enforced field, never raises out of the pairing step into the scheduler, and
 every request that targets a refused prefill ends within one scheduler pass with an error
-naming both values.
+naming both values. Failure policy: a pairing step that cannot run refuses the requests of
+that prefill at once; a prefill that cannot compute its settings publishes a marker no decode
+pairs with.
 """
 
 from __future__ import annotations
@@ -54,26 +56,31 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sglang.pdsafe import metrics, peer_policy
-from sglang.pdsafe.hook_api import attached, guarded, require
-from sglang.pdsafe.protections import Protection, is_pd, register, switch_on
+import requests
+from sglang.pdsafe import (
+    kv_integrity,
+    metrics,
+    pair_settings,
+    peer_notifier,
+    peer_policy,
+    policy,
+    transfer,
+)
+from sglang.pdsafe.hook_api import require
+from sglang.pdsafe.pair_settings import PairSettings
+from sglang.pdsafe.policy import Outcome, hook
+from sglang.pdsafe.protections import Protection, register, switch_on
+from sglang.srt.disaggregation.base.conn import KVPoll
 
 logger = logging.getLogger("sglang.pdsafe.pair_agreement")
 
-#: Version of the fork's PD wire protocol: what :class:`PairSettings` carries, and the messages
-#: a pdsafe peer understands (bump when a field changes meaning or a message is added).
-#: /2: a decode announces itself to a prefill of this version (``peer_capability``); a prefill
-#: of /1 would misparse that announcement, so a /2 decode sends it to /2 prefills only.
-#: /3: decode metadata and every prefill message for it carry the transfer generation
-#: (``transfer_generation``); a /3 decode drops a status without it, so /2 pairs are refused.
-#: /4: the coverage row's token digest binds the transfer generation (layout 2) and ABORT /
-#: ABORT_ACK name it: a /3 leg would refuse every /4 row ("no attestation"), so /3 pairs are
-#: refused at pairing instead.
-WIRE_VERSION = "sglang-pdsafe-pair/4"
+#: The wire version (re-exported; readers that must see the testkit's override read
+#: ``pair_settings.WIRE_VERSION`` at call time).
+WIRE_VERSION = pair_settings.WIRE_VERSION
 ENV_ENABLE = "SGLANG_PDSAFE_PAIR_AGREEMENT"
 ENV_SKIP = "SGLANG_PDSAFE_PAIR_AGREEMENT_SKIP"
 MISMATCH = "pair_setting_mismatch_total"
@@ -97,7 +104,6 @@ require("sglang.srt.disaggregation.base.conn.KVArgs", "pdsafe_pair",
 require("sglang.srt.disaggregation.base.conn.KVPoll", "Failed",
         why="a request that targets a refused prefill is failed with this status")
 
-_guard = {"failure_counter": FAILED}
 
 
 def enabled() -> bool:
@@ -115,40 +121,13 @@ register(Protection(
     name="pair-agreement",
     guards="decode refuses to pair with a prefill whose page size, KV dtype/layout, context "
            "length or chat template differs (error names both values, requests fail at once)",
-    is_active=lambda server_args: is_pd(server_args) and enabled()
-    and not (skipped_fields() & set(ENFORCED)),
-    disabled_by=f"{ENV_ENABLE}=0 or {ENV_SKIP}=<fields>",
+    switched_off=lambda _args: (f"{ENV_ENABLE}=0" if not enabled() else
+                                f"{ENV_SKIP}={','.join(sorted(skipped_fields()))}"
+                                if skipped_fields() & set(ENFORCED) else None),
 ))
 
 
 # --------------------------------------------------------------------------- the settings
-
-
-@dataclass(frozen=True)
-class PairSettings:
-    """What one leg publishes. ``None`` means "this leg could not tell" (never a mismatch by
-    itself, except ``wire_version``: a prefill without sglang-pdsafe publishes nothing)."""
-
-    wire_version: str | None
-    page_size: int | None
-    kv_cache_dtype: str | None
-    kv_layout: str | None
-    context_length: int | None
-    chat_template: str | None
-    max_prompt_tokens: int | None = None
-    #: The KV digest scheme this leg sends/verifies, or "off" (``kv_integrity.advertised``).
-    kv_digest: str | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_wire(cls, data: Any) -> PairSettings | None:
-        """The settings a peer published, or None when it published none (or garbage)."""
-        if not isinstance(data, dict):
-            return None
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: data.get(k) for k in known})
 
 
 @dataclass(frozen=True)
@@ -252,10 +231,8 @@ def local_settings(scheduler: Any, kv_args: Any) -> PairSettings:
                                                                    None)
     ctx = getattr(model_config, "context_len", None)
     limit = getattr(scheduler, "max_req_input_len", None)
-    from sglang.pdsafe import kv_integrity
-
     return PairSettings(
-        wire_version=WIRE_VERSION,
+        wire_version=pair_settings.WIRE_VERSION,
         page_size=int(kv_args.page_size) if getattr(kv_args, "page_size", None) else None,
         kv_cache_dtype=(str(kv_args.kv_cache_dtype_str)
                         if getattr(kv_args, "kv_cache_dtype_str", None) is not None else None),
@@ -264,12 +241,21 @@ def local_settings(scheduler: Any, kv_args: Any) -> PairSettings:
         chat_template=chat_template_digest(getattr(scheduler, "server_args", None)),
         max_prompt_tokens=int(limit) - 1 if limit is not None else None,
         kv_digest=kv_integrity.advertised(getattr(scheduler, "server_args", None)),
+        incarnation=pair_settings.INCARNATION,
     )
 
 
-@guarded("pair_agreement.published", default=None, **_guard)
+#: What a prefill that cannot compute its settings publishes: a wire version no decode
+#: shares (never waived as a stock peer), so every decode refuses to pair, naming it.
+PUBLISH_FAILED = "sglang-pdsafe-pair/settings-unavailable"
+
+
+@hook("pair_agreement.published", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=lambda failure: {"wire_version": PUBLISH_FAILED},
+      effect="the prefill publishes a wire version no decode shares: every decode refuses "
+             "to pair with it, naming it (never waived as a stock peer)")
 def published(scheduler: Any, kv_args: Any) -> dict[str, Any] | None:
-    """What a prefill registers with its bootstrap server (None: publish nothing)."""
+    """What a prefill registers with its bootstrap server."""
     return local_settings(scheduler, kv_args).to_wire()
 
 
@@ -291,44 +277,20 @@ class _Verdicts:
             table.popitem(last=False)
 
 
-_VERDICTS_ATTR = "_pdsafe_pair_agreement"
-
-
 def _verdicts(kv_mgr: Any) -> _Verdicts:
-    return attached(kv_mgr, _VERDICTS_ATTR, _Verdicts)
+    return transfer.leg(kv_mgr).table("pair_agreement", _Verdicts)
 
 
-class _Published:
-    """Per decode KV manager: the wire version each prefill published (None: none), as last
-    fetched by the pairing step."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.versions: OrderedDict[str, str | None] = OrderedDict()
-
-
-_PUBLISHED_ATTR = "_pdsafe_pair_published"
-
-
-@guarded("pair_agreement.remember_published", default=None, **_guard)
 def _remember_published(kv_mgr: Any, bootstrap_addr: str, info: Any) -> None:
-    theirs = PairSettings.from_wire(_field(info, "pdsafe_pair"))
-    version = theirs.wire_version if theirs is not None else None
-    table = attached(kv_mgr, _PUBLISHED_ATTR, _Published)
-    with table.lock:
-        table.versions[bootstrap_addr] = version if isinstance(version, str) else None
-        table.versions.move_to_end(bootstrap_addr)
-        while len(table.versions) > MAX_PREFILLS:
-            table.versions.popitem(last=False)
+    """Record what the prefill published (whom ``peer_capability`` announces to; the
+    incarnation the quarantine's evidence compares with)."""
+    pair_settings.remember(kv_mgr, bootstrap_addr,
+                           PairSettings.from_wire(_field(info, "pdsafe_pair")))
 
 
 def prefill_wire_version(kv_mgr: Any, bootstrap_addr: str) -> str | None:
-    """The pdsafe wire version the prefill at ``bootstrap_addr`` published when this decode
-    last paired with it (None: it published none, a stock prefill, or it was never fetched).
-    ``peer_capability`` announces this decode only to a prefill of this release's version."""
-    table = attached(kv_mgr, _PUBLISHED_ATTR, _Published)
-    with table.lock:
-        return table.versions.get(bootstrap_addr)
+    """See :func:`pair_settings.prefill_wire_version`."""
+    return pair_settings.prefill_wire_version(kv_mgr, bootstrap_addr)
 
 
 def _decode_settings(queue: Any) -> PairSettings:
@@ -339,12 +301,6 @@ def _field(info: Any, name: str) -> Any:
     return info.get(name) if isinstance(info, dict) else getattr(info, name, None)
 
 
-#: What a failed comparison answers: refuse (fail closed), never "agrees".
-CHECK_FAILED = ("pdsafe: the pair-agreement check failed on this decode server (see its log); "
-                "refusing to pair until it succeeds")
-
-
-@guarded("pair_agreement.check", default=CHECK_FAILED, **_guard)
 def _check(queue: Any, bootstrap_addr: str, info: Any) -> str | None:
     """The refusal message for the prefill ``info`` describes (a ``PrefillServerInfo`` or the
     ``GET /route`` JSON), or None when it agrees (or the comparison is off)."""
@@ -363,17 +319,16 @@ def _check(queue: Any, bootstrap_addr: str, info: Any) -> str | None:
     found = compare(theirs, mine, skip=skip)
     if not found:
         if stock and peer_policy.pair_waived():
-            peer_policy.note_stock_peer(queue.kv_manager, bootstrap_addr, WIRE_VERSION)
+            peer_policy.note_stock_peer(queue.kv_manager, bootstrap_addr,
+                                        pair_settings.WIRE_VERSION)
         _log_pairing(queue.kv_manager, bootstrap_addr, theirs, mine)
         return None
     return refusal_message(bootstrap_addr, found)
 
 
-@guarded("pair_agreement.fetch", default=None, **_guard)
 def _fetch_info(bootstrap_addr: str) -> dict[str, Any] | None:
-    """The prefill's ``GET /route`` answer (what upstream fetched before its check raised)."""
-    import requests
-
+    """The prefill's ``GET /route`` answer (what upstream fetched before its check raised);
+    None while it does not answer (not up yet: asked again next round)."""
     try:
         r = requests.get(f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
                          f"&target_tp_rank=-1&target_pp_rank=-1&pdsafe_pair=1", timeout=2)
@@ -396,14 +351,11 @@ def _log_pairing(kv_mgr: Any, addr: str, prefill: PairSettings, decode: PairSett
                 decode.max_prompt_tokens)
 
 
-@guarded("pair_agreement.refuse", default=False, **_guard)
 def _refuse(queue: Any, bootstrap_addr: str, message: str, decode_reqs: list[Any], *,
             verdict: bool = True) -> bool:
     """Fail every request now; with ``verdict`` (a fresh comparison) also record the refusal
     for ``RECHECK_S`` and, the first time for this prefill and message, log and count it.
-
-    Returns True once the requests are failed (False only through the guard: the caller then
-    takes upstream's retry path, which aborts them after its retries)."""
+    Returns True once the requests are failed."""
     kv_mgr = queue.kv_manager
     if verdict:
         v = _verdicts(kv_mgr)
@@ -422,9 +374,6 @@ def _refuse(queue: Any, bootstrap_addr: str, message: str, decode_reqs: list[Any
 def _fail_requests(kv_mgr: Any, message: str, decode_reqs: list[Any]) -> None:
     """Fail each request's room with ``message`` (decode's queue aborts it in this pass) and
     tell its prefill to drop the room with the same reason (peer release)."""
-    from sglang.pdsafe import peer_notifier
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
     for decode_req in decode_reqs:
         req = decode_req.req
         room = req.bootstrap_room
@@ -436,7 +385,6 @@ def _fail_requests(kv_mgr: Any, message: str, decode_reqs: list[Any]) -> None:
                                      dp_rank=getattr(req, "disagg_prefill_dp_rank", None))
 
 
-@guarded("pair_agreement.refused", default=None, **_guard)
 def _refused(kv_mgr: Any, bootstrap_addr: str) -> str | None:
     """The standing refusal of this prefill, if any (None after ``RECHECK_S``)."""
     v = _verdicts(kv_mgr)
@@ -450,6 +398,21 @@ def _refused(kv_mgr: Any, bootstrap_addr: str) -> str | None:
         return rec[0]
 
 
+def _pairing_failed(failure: policy.Failure) -> None:
+    """The pairing step could not run: the requests that name this prefill are refused now
+    (their prefill told), and it is asked again on the next request."""
+    queue, bootstrap_addr, decode_reqs = failure.args[0], failure.args[1], failure.args[2]
+    refusal = failure.refusal(503, f"the request (this decode could not check its pairing "
+                                   f"with the prefill at {bootstrap_addr})")
+    _fail_requests(queue.kv_manager, refusal.reason, decode_reqs)
+    return None
+
+
+@hook("pair_agreement.ensure_prefill_info", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_pairing_failed,
+      key=lambda queue, addr, reqs: ("pairing", addr, tuple(getattr(r.req, "rid", "")
+                                                             for r in reqs)),
+      effect="the requests naming that prefill fail at once (503; their prefill told)")
 def ensure_prefill_info(queue: Any, bootstrap_addr: str, decode_reqs: list[Any]) -> bool | None:
     """Decode's pairing step for the prefill at ``bootstrap_addr`` (replaces the call of
     ``kv_manager.try_ensure_parallel_info`` in ``DecodePreallocQueue._ensure_prefill_info``).

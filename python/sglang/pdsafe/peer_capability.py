@@ -63,8 +63,20 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from sglang.pdsafe import metrics, peer_policy, transfer_generation
-from sglang.pdsafe.hook_api import attached, guarded, require
+from sglang.pdsafe import (
+    metrics,
+    pair_settings,
+    peer_policy,
+    peer_release,
+    policy,
+    transfer,
+    transfer_generation,
+)
+from sglang.pdsafe.hook_api import require
+from sglang.pdsafe.peer_release_wire import notify_failed
+from sglang.pdsafe.policy import Outcome, hook, returns
+from sglang.pdsafe.version import build_info
+from sglang.srt.disaggregation.base.conn import KVPoll
 
 logger = logging.getLogger("sglang.pdsafe.peer_capability")
 
@@ -93,28 +105,43 @@ require(_KV_MANAGER, "pdsafe_room_status(bootstrap_room)",
 require("sglang.srt.disaggregation.base.conn.KVPoll", "Failed", "Success",
         why="room states the decode-capability check reads and sets")
 
-_guard = {"failure_counter": FAILED}
+#: What a decode whose announcement could not be built announces: a version no prefill
+#: shares, so the prefill refuses it (an announced version is never waived).
+ANNOUNCE_FAILED = "sglang-pdsafe-pair/announcement-unavailable"
 
 
 def _wire_version() -> str:
-    from sglang.pdsafe.pair_agreement import WIRE_VERSION
-
-    return WIRE_VERSION
+    return pair_settings.WIRE_VERSION
 
 
 # --------------------------------------------------------------------------- decode side
 
 
-@guarded("peer_capability.announce", default=None, **_guard)
+def _announce_failed(failure: policy.Failure) -> list[bytes] | None:
+    """The announcement could not be built: announce a version no prefill shares, so the
+    prefill refuses this decode (never served as an unannounced, waivable stock decode); if
+    even the identity cannot be read, this decode is poisoned."""
+    kv_mgr = failure.args[0]
+    try:
+        identity = str(kv_mgr.pdsafe_decode_identity())
+    except Exception as e:  # noqa: BLE001
+        policy.poison(f"this decode cannot announce itself to its prefills ({e})",
+                      by=failure.spec.name)
+        return None
+    return [ANNOUNCE_TAG, ANNOUNCE_FAILED.encode("ascii"), identity.encode("ascii")]
+
+
+@hook("peer_capability.announce", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_announce_failed, key=lambda kv_mgr, addr: ("prefill", addr),
+      effect="the decode announces a version no prefill shares: the prefill refuses it at "
+             "once (naming it); if even its identity is unreadable, the decode is poisoned")
 def announce_frames(kv_mgr: Any, bootstrap_addr: str) -> list[bytes] | None:
     """The announcement a decode sends before registering with the prefill at
     ``bootstrap_addr``, or None when that prefill must not get one (it did not publish this
     release's wire version: a stock prefill, another release, or not paired through
     ``pair_agreement``), or this backend has no identity to announce."""
-    from sglang.pdsafe import pair_agreement
-
     mine = _wire_version()
-    if pair_agreement.prefill_wire_version(kv_mgr, bootstrap_addr) != mine:
+    if pair_settings.prefill_wire_version(kv_mgr, bootstrap_addr) != mine:
         return None
     identity = kv_mgr.pdsafe_decode_identity()
     if not identity:
@@ -166,14 +193,14 @@ class _Peers:
             return True
 
 
-_PEERS_ATTR = "_pdsafe_peer_capability"
-
-
 def _peers(kv_mgr: Any) -> _Peers:
-    return attached(kv_mgr, _PEERS_ATTR, _Peers)
+    return transfer.leg(kv_mgr).table("peer_capability", _Peers)
 
 
-@guarded("peer_capability.on_announce", default=None, **_guard)
+@hook("peer_capability.on_announce", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(None),
+      effect="the decode stays unannounced: refused (served only as a stock decode under "
+             "the operator's waiver, where its own protections still run)")
 def on_announce(kv_mgr: Any, msg: list[bytes]) -> None:
     """Prefill control thread: a decode announced itself (consumed by the caller either way)."""
     parsed = parse_announce(msg)
@@ -193,7 +220,25 @@ def on_announce(kv_mgr: Any, msg: list[bytes]) -> None:
     logger.debug("pdsafe: decode %s announced wire version %s", identity, version)
 
 
-@guarded("peer_capability.on_registration", default=None, **_guard)
+def _registration_failed(failure: policy.Failure) -> None:
+    """The registration could not be recorded: the identity's earlier version is forgotten
+    (a decode restarted as a stock build is never taken for the fork it was); if even that
+    fails, this prefill is poisoned."""
+    kv_mgr, identity = failure.args[0], str(failure.args[1])
+    try:
+        peers = _peers(kv_mgr)
+        with peers.lock:
+            peers.versions.pop(identity, None)
+            peers.pending.pop(identity, None)
+    except Exception as e:  # noqa: BLE001
+        policy.poison(f"this prefill cannot track its decodes' versions ({e})",
+                      by=failure.spec.name)
+
+
+@hook("peer_capability.on_registration", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_registration_failed, key=lambda kv_mgr, identity: ("decode", identity),
+      effect="the decode's earlier version is forgotten: it is refused as unannounced; if "
+             "that fails too, the prefill is poisoned")
 def on_registration(kv_mgr: Any, decode_identity: str) -> None:
     """Prefill control thread: ``decode_identity`` registered its KV args. The announcement
     sent just before (same socket) applies from now on; none clears an earlier one."""
@@ -215,8 +260,6 @@ def announced_version(kv_mgr: Any, decode_identity: str) -> str | None:
 
 
 def _release() -> str:
-    from sglang.pdsafe.version import build_info
-
     return f"sglang-pdsafe {build_info().get('version')}"
 
 
@@ -242,12 +285,6 @@ def refusal_message(decode_identity: str, endpoint: str, dst_port: int,
             f"guard, without which the isolation this prefill promises does not hold). Fix: {fix}.")
 
 
-#: What a failed check answers: refuse (fail closed), never "serve".
-CHECK_FAILED = ("pdsafe: the decode-capability check failed on this prefill server (see its "
-                "log); refusing the decode until it succeeds")
-
-
-@guarded("peer_capability.check", default=CHECK_FAILED, **_guard)
 def _verdict(kv_mgr: Any, decode_identity: str, endpoint: str, dst_port: int) -> str | None:
     """None to serve ``decode_identity``, else the refusal message (logged and counted the
     first time for this identity and announced version)."""
@@ -274,14 +311,9 @@ def _verdict(kv_mgr: Any, decode_identity: str, endpoint: str, dst_port: int) ->
     return message
 
 
-@guarded("peer_capability.refuse", default=None, **_guard)
 def _refuse_room(kv_mgr: Any, room: int, endpoint: str, dst_port: int, message: str) -> None:
     """Fail ``room`` here (now if its sender is open, else when it opens) and tell the decode
     endpoint ``Failed`` with ``message`` through upstream's KV status path."""
-    from sglang.pdsafe import peer_release
-    from sglang.pdsafe.peer_release_wire import notify_failed
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
     status = kv_mgr.pdsafe_room_status(room)
     if status is not None and status != KVPoll.Success:
         kv_mgr.record_failure(room, message)
@@ -301,7 +333,25 @@ def _text(value: Any) -> str:
     return value.decode("ascii", errors="replace") if isinstance(value, bytes) else str(value)
 
 
-@guarded("peer_capability.refuses_transfer_info", default=True, **_guard)
+def _check_failed(failure: policy.Failure) -> bool:
+    """The capability check could not run: the metadata is refused (dropped) and the room
+    fails here; the decode is told Failed when possible."""
+    kv_mgr, room = failure.args[0], int(failure.args[1])
+    endpoint, dst_port = _text(failure.args[3]), int(_text(failure.args[4]))
+    refusal = failure.refusal(503, "the KV transfer (this prefill could not check the "
+                                   "decode's capability)")
+    try:
+        _refuse_room(kv_mgr, room, endpoint, dst_port, refusal.reason)
+    finally:
+        transfer.fail_room(kv_mgr, room, refusal)
+    return True
+
+
+@hook("peer_capability.refuses_transfer_info", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_check_failed,
+      key=lambda kv_mgr, room, identity, *a: ("room", room, str(identity)),
+      effect="the decode's metadata is refused (nothing written to it); the room fails on "
+             "both legs at once (503)")
 def refuses_transfer_info(kv_mgr: Any, room: int, decode_identity: str, endpoint: Any,
                           dst_port: Any) -> bool:
     """Prefill control thread, decode metadata for ``room`` arrived, before the backend stores

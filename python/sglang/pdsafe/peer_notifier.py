@@ -57,7 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from sglang.pdsafe.hook_api import guarded, require
+from sglang.pdsafe.hook_api import require
 from sglang.pdsafe.peer_release_wire import (
     ABORT_TAG,
     FAILED,
@@ -72,8 +72,15 @@ from sglang.pdsafe.peer_release_wire import (
     status_note,
     wire_frame,
 )
+from sglang.pdsafe.policy import Outcome, hook, returns
+from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+from sglang.srt.runtime_context import get_disagg, get_serving
+from sglang.srt.utils.network import NetworkAddress
 
 logger = logging.getLogger("sglang.pdsafe.peer_release")
+
+#: The failure effect of a hook that tells the peer: the refusal stands, the telling is lost.
+UNTOLD = "the request stays refused; its prefill is not told and frees at its own timeout (counted)"
 
 require("sglang.srt.utils.network.NetworkAddress", "to_tcp()", "to_host_port_str()", "is_ipv6",
         "parse(addr)",
@@ -83,7 +90,6 @@ require("sglang.srt.disaggregation.utils", "FAKE_BOOTSTRAP_HOST",
 require("sglang.srt.runtime_context", "get_disagg()", "get_serving()",
         why="on_http_undelivered reads this server's PD mode, host and bootstrap port")
 
-_guard = {"failure_counter": FAILED}
 #: Longest ``/route`` answer read (upstream's are a few hundred bytes).
 MAX_ROUTE_RESPONSE_BYTES = 65536
 
@@ -274,8 +280,6 @@ class Notifier:
         whole answer) within ``HTTP_TIMEOUT_S`` and by ``budget_end``, whatever the server
         does: a plain HTTP/1.0 exchange with a deadline, since an HTTP client's timeouts bound
         each read, not the answer (a server that drips bytes would hold a worker forever)."""
-        from sglang.srt.utils.network import NetworkAddress
-
         end = min(time.monotonic() + self.HTTP_TIMEOUT_S, budget_end)
         na = NetworkAddress.parse(addr)
         query = "&".join(f"{k}={v}" for k, v in q.items())
@@ -411,8 +415,6 @@ class Notifier:
     def _send(self, addr: str) -> bool:
         """Send every notice waiting for ``addr``. False when ``addr`` went to the refresh
         lane instead (its route went stale, or a notice needs ranks not resolved yet)."""
-        from sglang.srt.utils.network import NetworkAddress
-
         with self.lock:
             route = self.routes.get(addr)
             if route is None or not self._fresh(route):
@@ -490,15 +492,11 @@ def reset_notifier(**limits: Any) -> Notifier:
 
 
 def _bootstrap_addr(host: str, port: int | str) -> str:
-    from sglang.srt.utils.network import NetworkAddress
-
     return NetworkAddress(host, int(port)).to_host_port_str()
 
 
 def is_fake_bootstrap(host: str | None) -> bool:
     """Whether ``host`` is upstream's fake bootstrap host (warm-up requests: no prefill)."""
-    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
-
     return host == FAKE_BOOTSTRAP_HOST
 
 
@@ -511,7 +509,9 @@ def finish_message(req: Any) -> str:
     return "refused"
 
 
-@guarded("peer_notifier.notify_prefill", default=False, **_guard)
+@hook("peer_notifier.notify_prefill", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(False), key=lambda host, port, room, *a, **k: ("room", room),
+      effect=UNTOLD)
 def notify_prefill(bootstrap_host: str | None, bootstrap_port: int | None,
                    room: int | None, reason: str, *, dp_rank: int | None = None,
                    origin: str = ORIGIN_PEER) -> bool:
@@ -532,7 +532,10 @@ def notify_prefill(bootstrap_host: str | None, bootstrap_port: int | None,
                                       time.monotonic()))
 
 
-@guarded("peer_notifier.decode_rejected", default=None, **_guard)
+@hook("peer_notifier.decode_rejected", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(None),
+      key=lambda req, *a, **k: ("room", getattr(req, "bootstrap_room", None)),
+      effect=UNTOLD)
 def decode_rejected(req: Any, reason: str | None = None) -> None:
     """A decode door refused ``req`` (no receiver exists): tell its prefill to drop the room."""
     notify_prefill(getattr(req, "bootstrap_host", None), getattr(req, "bootstrap_port", None),
@@ -547,7 +550,10 @@ def decode_refusal_reason(req: Any, reason: str | None = None) -> str:
             f"{reason or finish_message(req)}")
 
 
-@guarded("peer_notifier.on_receiver_aborted", default=None, **_guard)
+@hook("peer_notifier.on_receiver_aborted", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(None),
+      key=lambda receiver: ("room", getattr(receiver, "bootstrap_room", None)),
+      effect=UNTOLD)
 def on_receiver_aborted(receiver: Any) -> None:
     """``CommonKVReceiver.abort()``: if upstream could not send ABORT (the prefill ranks were
     not known yet), send our bare ABORT so the prefill drops the room's sender."""
@@ -569,7 +575,10 @@ def on_receiver_aborted(receiver: Any) -> None:
         receiver.abort_notified = True
 
 
-@guarded("peer_notifier.on_http_undelivered", default=None, **_guard)
+@hook("peer_notifier.on_http_undelivered", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(None),
+      key=lambda obj, error: ("room", getattr(obj, "bootstrap_room", None)),
+      effect=UNTOLD)
 def on_http_undelivered(obj: Any, error: BaseException | None) -> None:
     """A PD request refused before it reached this server's scheduler (HTTP layer).
 
@@ -583,8 +592,6 @@ def on_http_undelivered(obj: Any, error: BaseException | None) -> None:
     host = getattr(obj, "bootstrap_host", None)
     if room is None or isinstance(room, list) or isinstance(host, list):
         return
-    from sglang.srt.runtime_context import get_disagg, get_serving
-
     mode = get_disagg().disaggregation_mode
     reason = f"{type(error).__name__}: {error}" if error is not None else "refused"
     note = status_note(error_refusal_status(error))

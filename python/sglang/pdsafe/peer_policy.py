@@ -65,9 +65,8 @@ import os
 import threading
 from typing import Any
 
-from sglang.pdsafe import metrics
-from sglang.pdsafe.hook_api import attached
-from sglang.pdsafe.protections import Protection, is_pd, register
+from sglang.pdsafe import metrics, transfer
+from sglang.pdsafe.protections import Protection, register
 
 logger = logging.getLogger("sglang.pdsafe.peer_policy")
 
@@ -80,7 +79,6 @@ DECODE_PROTECTIONS = "decode-protections"
 WAIVABLE: tuple[str, ...] = (PAIR_AGREEMENT, COVERAGE, KV_DIGEST, DECODE_PROTECTIONS)
 #: The waivers that concern stock prefills (read by a decode).
 PREFILL_WAIVABLE: frozenset[str] = frozenset({PAIR_AGREEMENT, COVERAGE, KV_DIGEST})
-_ATTR = "_pdsafe_stock_peers"
 
 _warned_unknown: set[str] = set()
 
@@ -103,8 +101,8 @@ register(Protection(
     guards="a decode pairs with and commits from prefills that announce an sglang-pdsafe wire "
            "version only, and a prefill transfers KV only to decodes that announce this "
            "release's wire version (stock peers refused at bootstrap, never served unprotected)",
-    is_active=lambda server_args: is_pd(server_args) and not waived(),
-    disabled_by=f"{ENV_WAIVE}=<protections> (waived for stock peers only)",
+    switched_off=lambda _args: (f"{ENV_WAIVE}={','.join(sorted(waived()))} (waived for "
+                                "stock peers only)" if waived() else None),
 ))
 
 
@@ -129,7 +127,7 @@ class StockPeers:
 
 
 def stock_peers(kv_mgr: Any) -> StockPeers:
-    return attached(kv_mgr, _ATTR, StockPeers)
+    return transfer.leg(kv_mgr).table("stock_peers", StockPeers)
 
 
 def pair_waived() -> bool:

@@ -54,8 +54,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang.pdsafe import metrics, transfer_generation
-from sglang.pdsafe.hook_api import attached, guarded, require
+from sglang.pdsafe import metrics, policy, transfer, transfer_generation
+from sglang.pdsafe.hook_api import require
 from sglang.pdsafe.peer_notifier import (  # noqa: F401 - the patches' call sites use these names
     decode_rejected,
     finish_message,
@@ -82,6 +82,8 @@ from sglang.pdsafe.peer_release_wire import (  # noqa: F401 - re-exported for th
     status_note,
     wire_frame,
 )
+from sglang.pdsafe.policy import Outcome, hook, returns
+from sglang.srt.disaggregation.base.conn import KVPoll
 
 logger = logging.getLogger("sglang.pdsafe.peer_release")
 
@@ -110,7 +112,6 @@ require(_KV_MANAGER, "pdsafe_on_abort_message(msg)",
 require("sglang.srt.disaggregation.base.conn.KVPoll", "Failed", "Success",
         why="room states peer release reads and sets")
 
-_guard = {"failure_counter": FAILED}
 
 
 def _wire(origin: str, reason: str) -> bytes:
@@ -206,12 +207,9 @@ class _Registry:
             return new, first
 
 
-# The registry lives on the manager (one per prefill KV manager) under a pdsafe-owned name.
-_REGISTRY_ATTR = "_pdsafe_peer_release"
-
-
 def _registry(kv_mgr: Any) -> _Registry:
-    return attached(kv_mgr, _REGISTRY_ATTR, _Registry)
+    """The registry of a prefill KV manager (a table of its leg)."""
+    return transfer.leg(kv_mgr).table("peer_release", _Registry)
 
 
 def _is_prefill(kv_mgr: Any) -> bool:
@@ -220,8 +218,6 @@ def _is_prefill(kv_mgr: Any) -> bool:
 
 
 def _kvpoll() -> Any:
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
     return KVPoll
 
 
@@ -270,7 +266,10 @@ def _answer_decode(kv_mgr: Any, room: int, rec: _Room) -> bool:
     return True
 
 
-@guarded("peer_release.prefill_rejected", default=None, **_guard)
+@hook("peer_release.prefill_rejected", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(None), key=lambda kv_mgr, room, *a, **k: ("room", room),
+      effect="the request stays refused; its decode is not told and frees at its own timeout "
+             "(counted)")
 def prefill_rejected(kv_mgr: Any, room: int | None, reason: str, origin: str = ORIGIN_LOCAL,
                      t0_wall: float | None = None, status: int | None = None) -> None:
     """This prefill will not serve ``room``: answer decode's metadata with Failed (now or later).
@@ -291,7 +290,10 @@ def prefill_rejected(kv_mgr: Any, room: int | None, reason: str, origin: str = O
 DUPLICATE_TTL_S = 10.0
 
 
-@guarded("peer_release.duplicate_released", default=None, **_guard)
+@hook("peer_release.duplicate_released", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(None), key=lambda kv_mgr, room, *a, **k: ("room", room),
+      effect="the refused duplicate's decode leg is not told; it fails at its own timeout "
+             "(counted)")
 def duplicate_released(kv_mgr: Any, room: int, reason: str, status: int) -> None:
     """The live request of ``room`` on this prefill is being cleared, and a duplicate of the
     room was refused here while it held it (``sglang.pdsafe.room_guard``). The duplicate's
@@ -313,7 +315,18 @@ def duplicate_released(kv_mgr: Any, room: int, reason: str, status: int) -> None
     _answer_decode(kv_mgr, int(room), rec)
 
 
-@guarded("peer_release.on_metadata_complete", default=False, **_guard)
+def _metadata_failed(failure: policy.Failure) -> bool:
+    """The check could not run: the room is not bootstrapped (no sender may serve it
+    unchecked) and fails here; the decode is told Failed through upstream's path."""
+    kv_mgr, room = failure.args[0], failure.args[1]
+    transfer.fail_room(kv_mgr, room, failure.refusal(
+        503, "the KV transfer (this prefill could not check whether it refused the room)"))
+    return True
+
+
+@hook("peer_release.on_metadata_complete", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_metadata_failed, key=lambda kv_mgr, room: ("room", room),
+      effect="the room is not bootstrapped and fails at once (503; the decode told Failed)")
 def on_metadata_complete(kv_mgr: Any, room: int) -> bool:
     """Decode's metadata for ``room`` is complete (``update_status(room, WaitingForInput)``).
 
@@ -330,7 +343,17 @@ def on_metadata_complete(kv_mgr: Any, room: int) -> bool:
     return not reg.is_live(room)
 
 
-@guarded("peer_release.on_sender_created", default=None, **_guard)
+def _sender_created_failed(failure: policy.Failure) -> None:
+    """The check could not run: the new sender's room fails now (it may have been refused)."""
+    sender = failure.args[0]
+    transfer.fail_room(sender.kv_mgr, sender.bootstrap_room, failure.refusal(
+        503, "the KV transfer (this prefill could not check whether it refused the room)"))
+
+
+@hook("peer_release.on_sender_created", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_sender_created_failed,
+      key=lambda sender: ("room", getattr(sender, "bootstrap_room", None)),
+      effect="the new sender's room fails at once (503; the decode told Failed)")
 def on_sender_created(sender: Any) -> None:
     """A sender was opened for a room: fail it at once if the room was refused or aborted."""
     kv_mgr = sender.kv_mgr
@@ -349,7 +372,11 @@ def on_sender_created(sender: Any) -> None:
                 "it now (%s)", room, rec.reason)
 
 
-@guarded("peer_release.on_sender_cleared", default=None, **_guard)
+@hook("peer_release.on_sender_cleared", outcome=Outcome.HOLD, counter=FAILED,
+      on_failure=returns(None),
+      key=lambda sender: ("room", getattr(sender, "bootstrap_room", None)),
+      effect="the room stays marked live in peer release (its metadata is kept, never "
+             "dropped early); nothing is freed")
 def on_sender_cleared(sender: Any) -> None:
     """A sender was cleared: the room has no live sender any more."""
     if not _is_prefill(sender.kv_mgr):
@@ -359,7 +386,11 @@ def on_sender_cleared(sender: Any) -> None:
         reg.live.discard(sender.bootstrap_room)
 
 
-@guarded("peer_release.on_sender_aborted", default=None, **_guard)
+@hook("peer_release.on_sender_aborted", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(None),
+      key=lambda sender, *a: ("room", getattr(sender, "bootstrap_room", None)),
+      effect="the sender is aborted as upstream does; its decode is not told and frees at "
+             "its own timeout (counted)")
 def on_sender_aborted(sender: Any, reason: str = "aborted on the prefill server") -> None:
     """``CommonKVSender.abort()``, before upstream marks the room Failed: the prefill gave the
     room up. Nothing to tell when its transfer already succeeded."""
@@ -368,7 +399,10 @@ def on_sender_aborted(sender: Any, reason: str = "aborted on the prefill server"
     prefill_rejected(sender.kv_mgr, sender.bootstrap_room, reason)
 
 
-@guarded("peer_release.on_abort_message", default=None, **_guard)
+@hook("peer_release.on_abort_message", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(None),
+      effect="the backend still handles the ABORT (the room fails with upstream's generic "
+             "reason instead of the peer's)")
 def on_abort_message(kv_mgr: Any, msg: list[bytes]) -> None:
     """Prefill control thread, on an ABORT frame, before the backend handles it.
 
@@ -402,7 +436,11 @@ def on_abort_message(kv_mgr: Any, msg: list[bytes]) -> None:
         reg.record(room, notice.reason, ORIGIN_PEER)
 
 
-@guarded("peer_release.prefill_door_rejected", default=None, **_guard)
+@hook("peer_release.prefill_door_rejected", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(None),
+      key=lambda queue, req, *a: ("room", getattr(req, "bootstrap_room", None)),
+      effect="the request stays refused; its decode is not told and frees at its own "
+             "timeout (counted)")
 def prefill_door_rejected(bootstrap_queue: Any, req: Any, reason: str | None = None) -> None:
     """A prefill door (``PrefillBootstrapQueue.add``) refused ``req`` before a sender existed.
 

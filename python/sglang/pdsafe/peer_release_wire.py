@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang.pdsafe import metrics
-from sglang.pdsafe.protections import Protection, is_pd, register, switch_on
+from sglang.pdsafe.policy import Outcome, hook
+from sglang.pdsafe.protections import Protection, off_by, register, switch_on
 
 logger = logging.getLogger("sglang.pdsafe.peer_release")
 
@@ -65,8 +66,7 @@ register(Protection(
     name="peer-release",
     guards="a PD request refused or aborted on one side before its KV transfer is failed on "
            "the other side at once through the KV control channel, which frees its pages",
-    is_active=lambda server_args: is_pd(server_args) and enabled(),
-    disabled_by=f"{ENV_ENABLE}=0",
+    switched_off=off_by(ENV_ENABLE),
 ))
 
 
@@ -182,6 +182,9 @@ def error_refusal_status(error: BaseException | None) -> int | None:
     return code
 
 
+@hook("peer_release_wire.peer_refusal_status", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=lambda failure: failure.args[1],
+      effect="the request is refused with upstream's status (500) instead of the peer's 4xx")
 def peer_refusal_status(error_message: Any, default: int) -> int:
     """The status a PD side answers its client with when its KV transfer or bootstrap failed.
 

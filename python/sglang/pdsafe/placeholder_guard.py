@@ -23,18 +23,29 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from sglang.pdsafe import metrics
+from sglang.pdsafe import metrics, policy, transfer
+from sglang.pdsafe.policy import Outcome, Refusal, hook, returns
 from sglang.pdsafe.protections import (
     PDModeUnknownError,
     Protection,
-    is_pd,
     process_pd_mode,
     register,
 )
+from sglang.pdsafe.transfer import State
+from sglang.srt.disaggregation.utils import is_unadmitted_reject
 
 logger = logging.getLogger(__name__)
 
 STRICT_ENV = "SGLANG_PDSAFE_STRICT"
+FAILED = "admission_check_failed_total"
+
+
+class StrictViolation(AssertionError):
+    """``SGLANG_PDSAFE_STRICT=1`` (the test harness): a rejected request reached endpoint
+    creation. Raised through the failure policy (it is the check's answer), so tests fail."""
+
+
+policy.answers(StrictViolation)
 
 
 @dataclass(frozen=True)
@@ -62,15 +73,34 @@ def may_rewrite_to_stub() -> bool:
         return False
 
 
+@hook("placeholder_guard.record_rejection", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(False),
+      key=lambda req, *a, **k: ("rid", str(getattr(req, "rid", ""))),
+      effect="the request stays rejected and its prompt is kept (never a one-token stub)")
 def record_rejection(req: Any, message: str, status_code: int, err_type: str) -> bool:
-    """Attach the typed rejection to ``req``; return True if the prompt may be rewritten.
+    """Record the typed rejection in ``req``'s transfer record (a record of no leg yet: it
+    never got a sender or receiver); return True if the prompt may be rewritten.
 
     The rewrite to a one-token prompt is upstream's way to make a local abort cheap; in PD mode
     (or when the mode cannot be read, see :func:`may_rewrite_to_stub`) it is refused, because
     a stub on a handoff path is exactly the incident.
     """
-    req.pdsafe_rejection = Rejection(message, int(status_code), err_type)
+    rec = transfer.of(req)
+    if rec is None or not rec.is_open:
+        room = getattr(req, "bootstrap_room", None)
+        rec = transfer.attach(req, transfer.Transfer(
+            seq=-1, leg="", room=None if room is None else int(room),
+            rid=str(getattr(req, "rid", "?"))))
+    rec.rejection = Rejection(message, int(status_code), err_type)
+    if rec.state is State.RESERVED:
+        rec.refuse(Refusal(int(status_code), message, "placeholder_blocked_total"))
     return may_rewrite_to_stub()
+
+
+def rejection_of(req: Any) -> Rejection | None:
+    """The typed rejection recorded for ``req`` (None: none)."""
+    rec = transfer.of(req)
+    return getattr(rec, "rejection", None) if rec is not None else None
 
 
 def rejected_at_intake(req: Any) -> bool:
@@ -81,11 +111,14 @@ def rejected_at_intake(req: Any) -> bool:
     retracted marks a *re-entering* request, whose queue owes the release of what it holds;
     refusing it at creation would skip that release (a leak), so it is not a rejection here.
     """
-    from sglang.srt.disaggregation.utils import is_unadmitted_reject
-
     return bool(is_unadmitted_reject(req))
 
 
+@hook("placeholder_guard.transfer_endpoint_allowed", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(False),
+      key=lambda req, where: ("rid", str(getattr(req, "rid", ""))),
+      effect="no sender/receiver is built: the request is refused (its peer told by the "
+             "caller's refusal path)")
 def transfer_endpoint_allowed(req: Any, where: str) -> bool:
     """False (and loud) when a request rejected at intake reaches KV sender/receiver creation.
 
@@ -95,7 +128,7 @@ def transfer_endpoint_allowed(req: Any, where: str) -> bool:
     if not rejected_at_intake(req):
         return True
     metrics.inc("placeholder_blocked_total")
-    rej = getattr(req, "pdsafe_rejection", None)
+    rej = rejection_of(req)
     msg = (
         f"pdsafe: request {getattr(req, 'rid', '?')}, rejected at intake, reached {where} "
         f"(reason: {rej.message if rej else getattr(req, 'to_finish', None)}). A rejected "
@@ -104,12 +137,11 @@ def transfer_endpoint_allowed(req: Any, where: str) -> bool:
     )
     logger.error(msg)
     if os.environ.get(STRICT_ENV) == "1":
-        raise AssertionError(msg)
+        raise StrictViolation(msg)
     return False
 
 
 register(Protection(
     name="no-placeholder-handoff",
     guards="rejected requests keep their typed verdict and never reach a KV sender/receiver",
-    is_active=is_pd,
 ))

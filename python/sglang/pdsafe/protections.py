@@ -1,8 +1,13 @@
-"""Registry of the pdsafe protections and the startup report of which are active.
+"""Registry of the pdsafe protections, the PD-mode decision and the default-on switches.
 
 Default-safe: every protection is on unless an explicit flag or environment variable turns it
-off, and turning one off logs a warning at startup. New protections register here so the
-startup log (and /server_info) always tells an operator exactly what guards this process.
+off, and turning one off logs a warning at startup (:mod:`sglang.pdsafe.startup`). A
+protection registers here with the PD roles it applies to, how to tell that an operator
+switched it off (the setting they changed, named in the warning), and which other protection
+it leans on (so that turning that one off warns that this one is weaker). The startup report
+and ``/server_info`` read this registry.
+
+This module is the bottom floor of the package: it imports nothing of pdsafe.
 """
 
 from __future__ import annotations
@@ -13,17 +18,40 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from sglang.srt.runtime_context import get_disagg
+
 logger = logging.getLogger("sglang.pdsafe")
+
+PDMode = Literal["prefill", "decode", "null"]
+PD_MODES: tuple[PDMode, ...] = ("prefill", "decode", "null")
+#: Roles a protection can apply to ("null": a co-located server).
+BOTH: frozenset[str] = frozenset({"prefill", "decode"})
+EVERY: frozenset[str] = frozenset({"prefill", "decode", "null"})
+
+#: Values (case-insensitive, surrounding blanks ignored) that turn a default-on switch off.
+OFF_VALUES = ("0", "false", "off", "no")
+
+
+def _never(_args: Any) -> str | None:
+    return None
 
 
 @dataclass(frozen=True)
 class Protection:
-    """One protection: its name, what it guards, and how to tell whether it is active."""
+    """One protection.
+
+    ``roles``: the PD roles it guards (a decode does not report a prefill protection).
+    ``switched_off(args)``: the setting an operator changed to turn it off (``"VAR=0"``), or
+    None while it is on. ``leans_on``: protections it relies on; when one of those is
+    switched off, the report warns that this one is weaker (``weaker_without`` says how).
+    """
 
     name: str
     guards: str
-    is_active: Callable[[Any], bool]
-    disabled_by: str = ""  # the explicit flag/env that turns it off ("" = cannot be turned off)
+    roles: frozenset[str] = BOTH
+    switched_off: Callable[[Any], str | None] = _never
+    leans_on: tuple[str, ...] = ()
+    weaker_without: str = ""
 
 
 _REGISTRY: list[Protection] = []
@@ -40,6 +68,22 @@ def registered() -> list[Protection]:
     return list(_REGISTRY)
 
 
+def switch_on(env: str) -> bool:
+    """A default-on switch (every protection's off switch, upstream's deferred release):
+    False only when ``env`` is set to one of :data:`OFF_VALUES`; unset or anything else is on,
+    so a typo never turns a protection off."""
+    return os.environ.get(env, "1").strip().lower() not in OFF_VALUES
+
+
+def off_by(env: str) -> Callable[[Any], str | None]:
+    """``switched_off`` for a protection turned off by ``env`` set to an off value."""
+
+    def check(_args: Any) -> str | None:
+        return None if switch_on(env) else f"{env}={os.environ.get(env, '').strip()}"
+
+    return check
+
+
 # --------------------------------------------------------------------------- PD mode
 #
 # The one place that decides whether this process is one side of a PD pair. Every guard asks
@@ -47,26 +91,10 @@ def registered() -> list[Protection]:
 # a mode it cannot read (no server arguments, no attribute, a value that is not one of
 # upstream's three modes) raises :class:`PDModeUnknownError` instead of being taken for "not
 # PD", because "not PD" switches protections off (the one-token stub came back that way).
-# A call site that must not raise decides the safe side itself and documents it (e.g.
-# ``placeholder_guard.record_rejection``: unknown = PD = never rewrite the prompt).
-
-PDMode = Literal["prefill", "decode", "null"]
-PD_MODES: tuple[PDMode, ...] = ("prefill", "decode", "null")
 
 
 class PDModeUnknownError(RuntimeError):
     """The disaggregation mode of this process could not be determined."""
-
-
-#: Values (case-insensitive, surrounding blanks ignored) that turn a default-on switch off.
-OFF_VALUES = ("0", "false", "off", "no")
-
-
-def switch_on(env: str) -> bool:
-    """A default-on switch (every protection's off switch, upstream's deferred release):
-    False only when ``env`` is set to one of :data:`OFF_VALUES`; unset or anything else is on,
-    so a typo never turns a protection off."""
-    return os.environ.get(env, "1").strip().lower() not in OFF_VALUES
 
 
 def pd_mode(server_args: Any) -> PDMode:
@@ -111,8 +139,6 @@ def process_pd_mode() -> PDMode:
     set by ``publish()`` in every server process before it builds requests). Raises
     :class:`PDModeUnknownError` when nothing was published in this process.
     """
-    from sglang.srt.runtime_context import get_disagg
-
     try:
         disagg = get_disagg()
     except ValueError as e:  # "config namespace 'disagg' not published"
@@ -126,63 +152,17 @@ def process_pd_mode() -> PDMode:
 register(Protection(
     name="decode-commit-gate",
     guards="decode checks every finished transfer before its pages become a request's KV",
-    is_active=is_pd,
+    roles=frozenset({"decode"}),
 ))
 
 
+def applies(p: Protection, server_args: Any) -> bool:
+    """Whether ``p`` guards a server of this role (fails closed: an unknown mode raises)."""
+    return pd_mode(server_args) in p.roles
+
+
 def status(server_args: Any) -> dict[str, bool]:
-    """Map protection name -> active, for this server's arguments."""
-    return {p.name: bool(p.is_active(server_args)) for p in _REGISTRY}
-
-
-#: The modules whose hooks the patch series calls. Each registers its protections and declares
-#: the upstream API it needs (``hook_api.require``) at import; the startup hook imports them all,
-#: because the patched call sites import them lazily, at first use.
-HOOK_MODULES: tuple[str, ...] = (
-    "sglang.pdsafe.admission",
-    "sglang.pdsafe.client_guard",
-    "sglang.pdsafe.placeholder_guard",
-    "sglang.pdsafe.coverage",
-    "sglang.pdsafe.commit_gate",
-    "sglang.pdsafe.peer_release",
-    "sglang.pdsafe.peer_release_wire",
-    "sglang.pdsafe.peer_notifier",
-    "sglang.pdsafe.limits",
-    "sglang.pdsafe.pair_agreement",
-    "sglang.pdsafe.room_guard",
-    "sglang.pdsafe.quarantine",
-    "sglang.pdsafe.write_fence",
-    "sglang.pdsafe.peer_policy",
-    "sglang.pdsafe.peer_capability",
-    "sglang.pdsafe.kv_integrity",
-    "sglang.pdsafe.source_lease",
-    "sglang.pdsafe.page_generation",
-    "sglang.pdsafe.transfer_generation",
-)
-
-
-def log_startup(server_args: Any) -> dict[str, bool]:
-    """The startup hook (launch_server): self-check the hook API, then report the protections.
-
-    In PD mode, raises ``hook_api.HookAPIError`` (the server refuses to start) when an upstream
-    method that a pdsafe hook calls is missing; otherwise logs which protections are active and
-    warns for each one explicitly turned off.
-    """
-    import importlib
-
-    from sglang.pdsafe import hook_api
-    from sglang.pdsafe.version import version_string
-
-    for name in HOOK_MODULES:  # registers every protection (and its hook-API needs)
-        importlib.import_module(name)
-    hook_api.self_check(server_args)
-    st = status(server_args)
-    on = [n for n, a in st.items() if a]
-    logger.info("%s: protections active: %s", version_string(), ", ".join(on) or "none")
-    for p in _REGISTRY:
-        if not st[p.name] and p.disabled_by and is_pd(server_args):
-            logger.warning(
-                "pdsafe protection %r is OFF (%s). It guards: %s.", p.name, p.disabled_by,
-                p.guards,
-            )
-    return st
+    """Map protection name -> active, for the protections that apply to this server's role
+    (a protection of the other role is not listed: it is not "off" here, it does not apply)."""
+    return {p.name: p.switched_off(server_args) is None
+            for p in _REGISTRY if applies(p, server_args)}

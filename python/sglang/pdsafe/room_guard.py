@@ -28,10 +28,11 @@ This module closes both:
   (:class:`ParallelSamplingRefusedError`), counted in
   ``sglang:pdsafe_room_parallel_sampling_refused_total``, before the request is registered.
 
-State (one :class:`LiveRooms` per KV manager, i.e. per scheduler rank, attribute
-``_pdsafe_room_guard``), per room::
+State: the room's live :class:`~sglang.pdsafe.transfer.Transfer` record in the KV manager's
+leg (:mod:`sglang.pdsafe.transfer`; a room is live from its claim until its endpoint drops the
+room's state), per room::
 
-    free --claim (a sender/receiver is about to be created for the room)--> live(rid)
+    free --claim (a sender/receiver is about to be created for the room)--> live(record)
     live --release (that sender/receiver is cleared; a prefill sender is aborted)--> free
     live --door(another request, same room)--> live (the newcomer is refused 409)
 
@@ -59,7 +60,12 @@ items 1-2). On the decode side the counterpart (a prefill leg the prefill admitt
 room's live decode request was gone) is not told: a peer-release notice would keep the room
 refused on the prefill for its whole TTL; that leg waits for its own bootstrap timeout.
 
-Off switch (default on): ``SGLANG_PDSAFE_ROOM_GUARD=0`` (logged as a warning at startup).
+Failure policy (:mod:`sglang.pdsafe.policy`): a door or claim that cannot run refuses the
+request (503) before anything is reserved, and the claim's refusal is told to the peer; a
+release that cannot run keeps the room refused here (nothing is freed by it).
+
+Off switch (default on): ``SGLANG_PDSAFE_ROOM_GUARD=0`` (logged as a warning at startup; the
+prefill source lease, which keeps a draining room live here, is then weaker).
 """
 
 from __future__ import annotations
@@ -67,17 +73,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from sglang.pdsafe import metrics
+from sglang.pdsafe import metrics, peer_release, policy, transfer
 from sglang.pdsafe.admission import AdmissionError
-from sglang.pdsafe.hook_api import attached, guarded
+from sglang.pdsafe.peer_notifier import decode_rejected, is_fake_bootstrap
+from sglang.pdsafe.policy import Outcome, Refusal, hook, raise_refusal, refuse_with
 from sglang.pdsafe.protections import (
     PDModeUnknownError,
     Protection,
     is_pd,
+    off_by,
     pd_mode,
     register,
     switch_on,
@@ -94,8 +101,6 @@ FAILED = "room_guard_failed_total"
 #: Log a refusal at most this often (every one is counted).
 LOG_INTERVAL_S = 10.0
 
-_REGISTRY_ATTR = "_pdsafe_room_guard"
-
 
 def enabled() -> bool:
     """Default on; ``SGLANG_PDSAFE_ROOM_GUARD=0`` (or false/off/no) turns it off."""
@@ -107,74 +112,62 @@ register(Protection(
     guards="a bootstrap_room live on this server is refused (409) at the PD scheduler doors "
            "and n>1 sampling is refused (400) at the HTTP layer (shared rooms crash the "
            "schedulers and share one transfer's state)",
-    is_active=lambda server_args: is_pd(server_args) and enabled(),
-    disabled_by=f"{ENV_ENABLE}=0",
+    switched_off=off_by(ENV_ENABLE),
 ))
 
 
 # --------------------------------------------------------------------------- state
 
 
-@dataclass(frozen=True)
-class Refusal:
-    """What the door answers a refused request with."""
-
-    message: str
-    status: int
-
-
-@dataclass(frozen=True)
-class Claim:
-    """The request that holds a room on this server."""
-
-    rid: str
-    since: float  # time.monotonic() of the claim
-
-
 class LiveRooms:
-    """The rooms with a live sender or receiver on one KV manager (see the module doc)."""
+    """The rooms live on one KV manager: a view of its leg's live records (no state of its
+    own)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._claims: dict[int, Claim] = {}
-        self._refused: dict[int, int] = {}  # room -> duplicates refused while it was live
+    def __init__(self, leg: transfer.Leg) -> None:
+        self._leg = leg
 
-    def holder(self, room: int) -> Claim | None:
-        with self._lock:
-            return self._claims.get(room)
+    def holder(self, room: int) -> transfer.Transfer | None:
+        """The record that holds ``room`` (None: the room is free)."""
+        return self._leg.of_room(room)
 
-    def claim(self, room: int, rid: str) -> Claim | None:
-        """Record ``rid`` as the room's holder. Returns the previous holder if it was another
-        request (the caller's door should have refused; the newcomer is recorded anyway, so
-        the room stays live until the last endpoint of it is cleared)."""
-        with self._lock:
-            prev = self._claims.get(room)
-            self._claims[room] = Claim(rid, time.monotonic())
-            return prev if prev is not None and prev.rid != rid else None
+    def claim(self, room: int, rid: str) -> transfer.Transfer | None:
+        """Open ``rid``'s record on ``room``; returns the previous holder if it was another
+        request (the caller's door should have refused; the newcomer holds it now)."""
+        prev = self._leg.of_room(room)
+        self._leg.open(int(room), str(rid))
+        return prev if prev is not None and prev.rid != str(rid) else None
 
     def note_refused(self, room: int) -> None:
         """A duplicate of the live ``room`` was refused (told to the peer at release)."""
-        with self._lock:
-            if room in self._claims:
-                self._refused[room] = self._refused.get(room, 0) + 1
+        rec = self._leg.of_room(room)
+        if rec is not None:
+            rec.duplicates_refused += 1
 
     def release(self, room: int) -> tuple[bool, int]:
         """Free ``room``: (whether it was live, duplicates refused while it was)."""
-        with self._lock:
-            return self._claims.pop(room, None) is not None, self._refused.pop(room, 0)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._claims)
+        rec = self._leg.of_room(room)
+        if rec is None:
+            return False, 0
+        self._leg.close(rec)
+        return True, rec.duplicates_refused
 
     def rooms(self) -> set[int]:
-        with self._lock:
-            return set(self._claims)
+        with self._leg.lock:
+            return set(self._leg.live)
+
+    def __len__(self) -> int:
+        with self._leg.lock:
+            return len(self._leg.live)
 
 
 def live_rooms(kv_mgr: Any) -> LiveRooms:
-    """The registry of ``kv_mgr`` (created on first use, under a pdsafe-owned attribute)."""
-    return attached(kv_mgr, _REGISTRY_ATTR, LiveRooms)
+    """The live rooms of ``kv_mgr``."""
+    return LiveRooms(transfer.leg(kv_mgr))
+
+
+def live_record(kv_mgr: Any, room: int) -> transfer.Transfer | None:
+    """The record that holds ``room`` live on ``kv_mgr`` (None: the room is free)."""
+    return live_rooms(kv_mgr).holder(room)
 
 
 def _side(kv_mgr: Any) -> str:
@@ -197,8 +190,6 @@ def _guarded_manager(queue: Any) -> Any | None:
 def _room_of(req: Any) -> int | None:
     """The room the guard covers for ``req``: None without a room or for the server's own
     fake-transfer requests (warmup, health checks), which create no real sender/receiver."""
-    from sglang.pdsafe.peer_notifier import is_fake_bootstrap
-
     room = getattr(req, "bootstrap_room", None)
     if room is None or is_fake_bootstrap(getattr(req, "bootstrap_host", None)):
         return None
@@ -232,16 +223,14 @@ def refusal_message(room: int, side: str) -> str:
 
 # --------------------------------------------------------------------------- scheduler hooks
 
-#: What the door answers when its own check failed (counted in ``room_guard_failed_total``):
-#: fail closed. A request whose room could not be checked is refused (503, retryable) instead
-#: of risking two requests on one room, which crashes upstream's schedulers.
-GUARD_FAILED_REFUSAL = Refusal(
-    "pdsafe room guard: this server could not check that the request's bootstrap_room is free "
-    "and refused it before anything was reserved. Retry; operators: see the server log "
-    "(ERROR 'room_guard.door') and sglang:pdsafe_room_guard_failed_total.", 503)
+def _queue_room_key(queue: Any, req: Any, *_: Any, **__: Any) -> Any:
+    return ("room", getattr(req, "bootstrap_room", None), str(getattr(req, "rid", "?")))
 
 
-@guarded("room_guard.door", FAILED, default=GUARD_FAILED_REFUSAL)
+@hook("room_guard.door", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=refuse_with(503, "the request (its bootstrap_room could not be checked)"),
+      key=_queue_room_key,
+      effect="503 at the PD queue door, before anything is reserved")
 def door(queue: Any, req: Any, reentry: bool = False) -> Refusal | None:
     """A PD queue door (``PrefillBootstrapQueue.add``, ``DecodePreallocQueue.add``): refuse
     ``req`` (409) when its room is live on this server. ``reentry``: a request coming back
@@ -253,60 +242,105 @@ def door(queue: Any, req: Any, reentry: bool = False) -> Refusal | None:
     own verdict (message and status); it is only kept away from the peer notice, which would
     fail the live request.
     """
+    if reentry:
+        return None
+    if policy.state_dir() is None:  # no launcher shares the poison: this door refuses
+        poisoned = policy.poison_refusal()
+        if poisoned is not None:
+            return poisoned
     kv_mgr = _guarded_manager(queue)
-    if reentry or kv_mgr is None or not enabled():
+    if kv_mgr is None or not enabled():
         return None
     room = _room_of(req)
-    if room is None or live_rooms(kv_mgr).holder(room) is None:
+    if room is None:
+        return None
+    rooms = live_rooms(kv_mgr)
+    if rooms.holder(room) is None:
         return None
     side = _side(kv_mgr)
     metrics.inc(REFUSED_DUPLICATE)
-    live_rooms(kv_mgr).note_refused(room)
+    rooms.note_refused(room)
     _log_refusal(side, room, str(getattr(req, "rid", "?")))
     verdict = getattr(req, "to_finish", None)
     message = getattr(verdict, "message", None)
     if isinstance(message, str) and message:
         status = getattr(verdict, "status_code", None)
-        return Refusal(message, int(status) if status else int(CONFLICT_STATUS))
-    return Refusal(refusal_message(room, side), int(CONFLICT_STATUS))
+        return Refusal(int(status) if status else int(CONFLICT_STATUS), message,
+                       REFUSED_DUPLICATE)
+    return Refusal(int(CONFLICT_STATUS), refusal_message(room, side), REFUSED_DUPLICATE)
 
 
-@guarded("room_guard.claim", FAILED, default=None)
-def claim(queue: Any, req: Any) -> None:
-    """A KV sender/receiver is about to be created for ``req``: its room is live from now on.
+def _claim_failed(failure: Any) -> Refusal:
+    """A claim that cannot run refuses the request (503) and its peer is told at once:
+    nothing proves the room free, so no sender/receiver is built for it (a second live
+    request of the room would crash upstream's scheduler). The decode tells its prefill
+    here; a prefill's caller tells the decode (``prefill_door_rejected``, as for every
+    refusal of its creation path)."""
+    refusal = failure.refusal(503, "the request (its bootstrap_room could not be claimed)")
+    queue, req = failure.args[0], failure.args[1]
+    if _side(getattr(queue, "kv_manager", None)) == "decode":
+        decode_rejected(req, refusal.reason)
+    return refusal
+
+
+@hook("room_guard.claim", outcome=Outcome.REFUSE, counter=FAILED, on_failure=_claim_failed,
+      key=_queue_room_key,
+      effect="503 before the sender/receiver is built; the peer is told at once")
+def claim(queue: Any, req: Any) -> Refusal | None:
+    """A KV sender/receiver is about to be created for ``req``: its room is live from now on,
+    and ``req`` gets its transfer record. Returns None (the caller builds the endpoint) or
+    the refusal the caller answers the request with (a claim that could not run).
 
     Called after every refusal of the creation path, right before the endpoint is built, so a
     claim is always followed by an endpoint whose clear (or prefill abort) releases it.
     """
     kv_mgr = _guarded_manager(queue)
-    if kv_mgr is None or not enabled():
-        return
+    if kv_mgr is None:
+        return None
     room = _room_of(req)
     if room is None:
-        return
-    prev = live_rooms(kv_mgr).claim(room, str(getattr(req, "rid", "?")))
-    if prev is not None:  # only a re-bootstrap reaches here past a live holder
+        return None
+    prev = live_record(kv_mgr, room)
+    rid = str(getattr(req, "rid", "?"))
+    transfer.open_for(kv_mgr, req)
+    if prev is not None and prev.rid != rid:  # only a re-bootstrap reaches here past a holder
         logger.warning("pdsafe room guard: request %s re-entered with bootstrap_room %s, which "
-                       "request %s holds on this %s server", getattr(req, "rid", "?"), room,
-                       prev.rid, _side(kv_mgr))
+                       "request %s holds on this %s server", rid, room, prev.rid,
+                       _side(kv_mgr))
+    return None
 
 
-@guarded("room_guard.released", FAILED, default=None)
+def _endpoint_key(endpoint: Any) -> Any:
+    return ("room", getattr(endpoint, "bootstrap_room", None))
+
+
+@hook("room_guard.released", outcome=Outcome.HOLD, counter=FAILED,
+      on_failure=lambda failure: None, key=_endpoint_key,
+      effect="the room stays live here (new requests of it refused 409); nothing is freed")
 def released(endpoint: Any) -> None:
     """A KV sender/receiver dropped its room's state (``clear``) or a prefill sender was
-    aborted: the room is free on this server."""
+    aborted: the room is free on this server (unless a source lease keeps it: its drained
+    release frees it, :func:`room_freed`)."""
     room = getattr(endpoint, "bootstrap_room", None)
     kv_mgr = getattr(endpoint, "kv_mgr", None)
     if room is None or kv_mgr is None:
         return
-    reg = getattr(kv_mgr, _REGISTRY_ATTR, None)
-    if reg is None:
+    lg = transfer.leg_if_any(kv_mgr)
+    rec = lg.of_room(int(room)) if lg is not None else None
+    if rec is None:
         return
-    _, refused = reg.release(int(room))
-    if refused and _side(kv_mgr) == "prefill":
-        from sglang.pdsafe import peer_release
+    if rec.keeps_room:  # a source lease holds the room until its chunks drained
+        return
+    lg.close(rec)
+    room_freed(kv_mgr, rec)
 
-        peer_release.duplicate_released(kv_mgr, int(room), duplicate_peer_reason(int(room)),
+
+def room_freed(kv_mgr: Any, rec: transfer.Transfer) -> None:
+    """``rec`` no longer holds its room here: a duplicate refused while it did gets its
+    decode leg answered (prefill)."""
+    if rec.duplicates_refused and _side(kv_mgr) == "prefill" and rec.room is not None:
+        peer_release.duplicate_released(kv_mgr, int(rec.room),
+                                        duplicate_peer_reason(int(rec.room)),
                                         int(CONFLICT_STATUS))
 
 
@@ -337,11 +371,13 @@ class ParallelSamplingRefusedError(AdmissionError):
         )
 
 
+@hook("room_guard.check_http_request", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=raise_refusal, effect="503 at the HTTP layer, before the request is registered")
 def check_http_request(tokenizer_manager: Any, obj: Any) -> None:
     """After normalization: refuse ``n>1`` on a PD server (400, before it is registered).
 
     Raises :class:`ParallelSamplingRefusedError`. A server whose PD mode cannot be read is
-    treated as PD (fail closed). Not wrapped in the hook guard: its one job is to raise.
+    treated as PD (fail closed).
     """
     n = getattr(obj, "parallel_sample_num", 1)
     if not isinstance(n, int) or n <= 1 or not enabled():

@@ -10,21 +10,25 @@ between chunks (``process_pending_chunked_abort``), while chunks of the room may
 or posted. A new request that gets the pages has its KV read into the aborted request's decode
 pages (the decode may be about to free them to a third tenant), or the old transfer sends a mix.
 
-**Lifecycle** of one lease (``SourceLease.state``), transitions checked by
-:meth:`SourceLease.move`::
+**Lifecycle.** A lease is the request's :class:`~sglang.pdsafe.transfer.Transfer` record
+(``REFUSED -> HELD -> RELEASED``, or ``LEAKED``), with a :class:`Lease` in ``record.hold``
+(the tree cache and checkpoint of the deferred release, the fence, the deadline, whether the
+backend poisoned the room, whether it is overdue), listed in the leg's lease table::
 
-    LEASED --(no transfer worker on this manager: nothing can read)--> RELEASED    (freed at once)
-    LEASED --(upstream's release deferred; fences queued)------------> HELD
-    HELD ----(past the alarm deadline, no evidence yet)--------------> OVERDUE     (alarm, once)
-    HELD | OVERDUE --(drained on every attention TP/CP rank)--------> RELEASED_DRAINED (freed)
-    LEASED | HELD | OVERDUE --(a lease hook failed)------------------> FAILED      (held for good)
+    (armed by draining)  --no transfer worker on this manager: nothing can read---> RELEASED
+    (armed by draining)  --upstream's release deferred; fences queued-------------> HELD
+    HELD --past the alarm deadline, no evidence yet: alarm once, still HELD (overdue)
+    HELD --drained on every attention TP/CP rank: freed by upstream's release-----> RELEASED
+    HELD --the backend cannot prove the room settled (poisoned), a hook failed----> LEAKED
 
-A lease is armed (``LEASED``) by :func:`draining` around the upstream call that frees an
-aborted or failed request's KV; upstream's ``release_kv_cache`` asks :func:`deferred` first,
-which takes the pages over (``HELD``). :func:`release_drained` (top of every pass of the prefill
-inflight queue) frees them with upstream's own ``release_kv_cache`` once the evidence below holds
-on every rank of the attention TP and CP groups (MIN all-reduce, as upstream agrees on polls:
-the ranks' allocators and prefix trees stay identical). A timeout never frees: it only alarms.
+A lease is armed by :func:`draining` around the upstream call that frees an aborted or failed
+request's KV; upstream's ``release_kv_cache`` asks :func:`deferred` first, which takes the pages
+over (HELD). :func:`release_drained` (top of every pass of the prefill inflight queue) frees
+them with upstream's own ``release_kv_cache`` once the evidence below holds on every rank of the
+attention TP and CP groups (MIN all-reduce, as upstream agrees on polls: the ranks' allocators
+and prefix trees stay identical). A timeout never frees: it only alarms. While held (HELD or
+LEAKED) the request's row is accounted as in use (``transfer.held_rows``): the server counts as
+idle, and its idle memory check sees the row as held, not leaked.
 
 **Evidence** that no worker will read room R's source pages again (``_drained``), all of:
 
@@ -46,10 +50,11 @@ the ranks' allocators and prefix trees stay identical). A timeout never frees: i
 
 Upstream resets R's count and poison when R starts a new lifecycle, and a new request of R
 would let R's stale queued chunks through the workers' status check: so the lease keeps R live
-in the room guard (:mod:`sglang.pdsafe.room_guard`, 409 for a new request of R) until it is
-released. Invariant: the pages of a lease leave the allocator's hands from the moment upstream
-would have freed them until the evidence holds on every rank, and are then freed exactly once,
-by upstream's own function; a lease whose hook failed is never freed.
+on this server (its record stays the room's live record: the room guard answers a new request
+of R with 409) until it is released. Invariant: the pages of a lease leave the allocator's
+hands from the moment upstream would have freed them until the evidence holds on every rank,
+and are then freed exactly once, by upstream's own function; a lease whose hook failed (or
+whose arming failed) is never freed.
 
 What it proves and what it does not: it proves that every chunk of the room was dequeued and
 finished or dropped by the manager's workers, and that the backend reported nothing it could not
@@ -65,24 +70,31 @@ idle. Off switch (default on): ``SGLANG_PDSAFE_SOURCE_LEASE=0`` (warned at start
 ``source_lease_hold_seconds`` (histogram, at release), ``source_lease_released_drained_total``,
 ``source_lease_overdue_total`` (alarms), ``source_lease_poisoned_total``,
 ``source_lease_failed_total`` (a hook failed; the pages are held for good).
+
+Failure policy: every hook here holds (a lease that cannot be armed, taken, checked or released
+keeps its pages for good, counted once per request); a worker's fence check that fails still
+treats a fence as a fence; a poison mark that cannot be latched poisons the server.
 """
 
 from __future__ import annotations
 
-import contextlib
-import enum
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from sglang.pdsafe import metrics
-from sglang.pdsafe.hook_api import attached, guarded, require
-from sglang.pdsafe.protections import Protection, pd_mode, register, switch_on
+import torch.distributed as dist
+from sglang.pdsafe import metrics, room_guard, transfer
+from sglang.pdsafe.hook_api import require
+from sglang.pdsafe.policy import Outcome, hook, returns
+from sglang.pdsafe.protections import Protection, off_by, register, switch_on
+from sglang.pdsafe.transfer import State, Transfer
+from sglang.srt.disaggregation import utils as disagg_utils
+from sglang.srt.mem_cache import common as mem_common
 
 logger = logging.getLogger("sglang.pdsafe.source_lease")
 
@@ -94,7 +106,7 @@ FAILED = "source_lease_failed_total"
 POISONED = "source_lease_poisoned_total"
 OVERDUE = "source_lease_overdue_total"
 RELEASED = "source_lease_released_drained_total"
-_REGISTRY_ATTR = "_pdsafe_source_leases"
+TABLE = "source_leases"
 
 require("sglang.srt.disaggregation.common.conn.CommonKVManager",
         "pdsafe_fence_transfer_workers(fence)", "pdsafe_room_in_flight(bootstrap_room)",
@@ -117,7 +129,7 @@ def upstream_drain_accounting() -> bool:
 
 
 def alarm_after_s() -> float:
-    """Seconds a lease may be held before it is reported OVERDUE (alarm only); > 0."""
+    """Seconds a lease may be held before it is reported overdue (alarm only); > 0."""
     raw = os.environ.get(ENV_ALARM, "").strip()
     if not raw:
         return DEFAULT_ALARM_S
@@ -130,42 +142,23 @@ def alarm_after_s() -> float:
     return value
 
 
+def _switched_off(args: Any) -> str | None:
+    return off_by(ENV_ENABLE)(args) or off_by(UPSTREAM_DEFERRED_ENV)(args)
+
+
 register(Protection(
     name="prefill-source-lease",
     guards="a prefill's KV pages of a failed or aborted transfer stay out of the allocator "
            "until every transfer worker of every rank drained the room (queues fenced, nothing "
            "in flight, nothing unsettled); a timeout only alarms",
-    is_active=lambda server_args: (pd_mode(server_args) == "prefill" and enabled()
-                                   and upstream_drain_accounting()),
-    disabled_by=f"{ENV_ENABLE}=0, or {UPSTREAM_DEFERRED_ENV}=0 (no drain evidence)",
+    roles=frozenset({"prefill"}),
+    switched_off=_switched_off,
+    leans_on=("bootstrap-room-guard",),
+    weaker_without="the lease keeps a draining room live so that a new request of the room "
+                   "cannot reset upstream's per-room drain accounting; with the room guard "
+                   "off, such a request is admitted, and the old chunks of the room can pass "
+                   "the workers' status check and read pages the new request owns",
 ))
-
-
-class LeaseState(enum.Enum):
-    LEASED = "leased"
-    RELEASED = "released"
-    HELD = "held"
-    OVERDUE = "overdue"
-    RELEASED_DRAINED = "released_drained"
-    FAILED = "failed"
-
-
-#: The allowed transitions; anything else is a bug and raises :class:`IllegalTransition`.
-TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
-    LeaseState.LEASED: frozenset({LeaseState.RELEASED, LeaseState.HELD, LeaseState.FAILED}),
-    LeaseState.HELD: frozenset({LeaseState.OVERDUE, LeaseState.RELEASED_DRAINED,
-                                LeaseState.FAILED}),
-    LeaseState.OVERDUE: frozenset({LeaseState.RELEASED_DRAINED, LeaseState.FAILED}),
-    LeaseState.RELEASED: frozenset(),
-    LeaseState.RELEASED_DRAINED: frozenset(),
-    LeaseState.FAILED: frozenset(),  # terminal, and the pages stay held
-}
-#: States whose pages the lease keeps out of the allocator.
-HOLDING = frozenset({LeaseState.HELD, LeaseState.OVERDUE, LeaseState.FAILED})
-
-
-class IllegalTransition(RuntimeError):
-    """A lease was asked to move along a transition :data:`TRANSITIONS` forbids."""
 
 
 class Fence:
@@ -197,19 +190,11 @@ class Fence:
 
 
 @dataclass(eq=False)
-class SourceLease:
-    """The source pages of one request whose transfer may still be read.
+class Lease:
+    """What a held source lease keeps (``record.hold``): the deferred release's arguments and
+    the evidence state. Invariant: set once the record is HELD (or LEAKED)."""
 
-    Invariant: ``state`` changes only through :meth:`move` (or :meth:`fail`, into FAILED).
-    """
-
-    seq: int
-    room: int | None
-    rid: str
     req: Any
-    sender: Any
-    kv_mgr: Any
-    state: LeaseState = LeaseState.LEASED
     tree_cache: Any = None
     checkpoint: bool = False
     pages: int = 0
@@ -217,85 +202,77 @@ class SourceLease:
     held_since: float = 0.0
     deadline: float = math.inf
     poisoned: bool = False
-    room_claimed: bool = False
-
-    def move(self, to: LeaseState) -> None:
-        if to not in TRANSITIONS[self.state]:
-            raise IllegalTransition(f"source lease of {self.rid} (room {self.room}): "
-                                    f"{self.state.value} -> {to.value} is not allowed")
-        self.state = to
-
-    def fail(self) -> None:
-        """Into FAILED from any holding or leased state (a hook failed: keep the pages)."""
-        if self.state in (LeaseState.LEASED, LeaseState.HELD, LeaseState.OVERDUE):
-            self.state = LeaseState.FAILED
+    overdue: bool = False
 
 
-@dataclass
 class SourceLeases:
-    """The leases of one prefill KV manager, in the order they were taken.
+    """The leases of one prefill KV manager (their records), in the order they were taken.
 
     Taken and released only on the scheduler thread, in the same order on every rank (the
     release sites follow the ranks' all-reduced polls, the releases an all-reduced verdict), so
     every rank holds the same list; the workers only latch poison marks.
-    Invariant: a lease is listed from the moment it takes the pages over until they are freed
-    (its state then in :data:`HOLDING`, or briefly LEASED while it is being taken).
+    Invariant: a record is listed from the moment it takes the pages over until they are freed
+    (RELEASED); a LEAKED one is listed for good, its row accounted as held.
     """
 
-    _leases: dict[int, SourceLease] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _seq: int = 0
+    def __init__(self) -> None:
+        self._records: dict[int, Transfer] = {}
+        self._lock = threading.Lock()
+        self.poisoned_rooms: set[int] = set()
 
-    def new(self, kv_mgr: Any, req: Any) -> SourceLease:
+    def add(self, rec: Transfer) -> None:
         with self._lock:
-            self._seq += 1
-            seq = self._seq
-        room = getattr(req, "bootstrap_room", None)
-        return SourceLease(seq=seq, room=None if room is None else int(room),
-                           rid=str(getattr(req, "rid", "?")), req=req,
-                           sender=getattr(req, "disagg_kv_sender", None), kv_mgr=kv_mgr)
-
-    def add(self, lease: SourceLease) -> None:
-        with self._lock:
-            self._leases[lease.seq] = lease
+            self._records[rec.seq] = rec
         self.publish()
 
-    def remove(self, lease: SourceLease) -> None:
+    def remove(self, rec: Transfer) -> None:
         with self._lock:
-            self._leases.pop(lease.seq, None)
+            self._records.pop(rec.seq, None)
         self.publish()
 
-    def leases(self) -> list[SourceLease]:
+    def leases(self) -> list[Transfer]:
+        """The records still awaiting evidence (HELD), in order."""
         with self._lock:
-            return list(self._leases.values())
+            return [r for r in self._records.values() if r.state is State.HELD]
 
-    def latch_poison(self, room: int) -> list[SourceLease]:
+    def records(self) -> list[Transfer]:
+        with self._lock:
+            return list(self._records.values())
+
+    def latch_poison(self, room: int) -> list[Transfer]:
         """Mark every held lease of ``room`` poisoned; returns the newly marked ones."""
         with self._lock:
-            hit = [x for x in self._leases.values() if x.room == room and not x.poisoned]
-            for x in hit:
-                x.poisoned = True
+            self.poisoned_rooms.add(int(room))
+            hit = [r for r in self._records.values()
+                   if r.room == room and r.state is State.HELD and not r.hold.poisoned]
+            for r in hit:
+                r.hold.poisoned = True
         return hit
 
     def pages_held(self) -> int:
         with self._lock:
-            return sum(x.pages for x in self._leases.values())
+            return sum(r.hold.pages for r in self._records.values())
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._leases)
+            return len(self._records)
 
     def publish(self) -> None:
         with self._lock:
-            pages = sum(x.pages for x in self._leases.values())
-            count = len(self._leases)
+            pages = sum(r.hold.pages for r in self._records.values())
+            count = len(self._records)
         metrics.set_gauge("source_pages_held", float(pages))
         metrics.set_gauge("source_leases_held", float(count))
 
 
 def of(kv_mgr: Any) -> SourceLeases:
-    """The leases of ``kv_mgr`` (created on first use, under a pdsafe-owned attribute)."""
-    return attached(kv_mgr, _REGISTRY_ATTR, SourceLeases)
+    """The leases of ``kv_mgr`` (its leg's table)."""
+    return transfer.leg(kv_mgr).table(TABLE, SourceLeases)
+
+
+def _if_any(kv_mgr: Any) -> SourceLeases | None:
+    lg = transfer.leg_if_any(kv_mgr)
+    return None if lg is None else lg.tables().get(TABLE)
 
 
 def _manager_supports(kv_mgr: Any) -> bool:
@@ -308,97 +285,165 @@ def _manager_supports(kv_mgr: Any) -> bool:
             and bool(getattr(kv_mgr, "enable_deferred_decode_kv_release", True)))
 
 
-#: Leases armed by :func:`draining`, by ``id(req)``, while upstream's release call runs
+@dataclass
+class _Armed:
+    """What :func:`draining` armed for a request: its manager and whether arming failed (a
+    failed arming holds the pages for good instead of letting upstream free them at once)."""
+
+    kv_mgr: Any
+    req: Any
+    failed: bool = False
+
+
+#: Requests armed by :func:`draining`, by ``id(req)``, while upstream's release call runs
 #: (scheduler thread only).
-_ARMED: dict[int, SourceLease] = {}
+_ARMED: dict[int, _Armed] = {}
 
 
-def _count_failure(where: str, lease: SourceLease | None, exc: BaseException) -> None:
-    metrics.inc(FAILED)
-    logger.error("pdsafe source lease: %s failed for request %s (room %s): %s: %s. Its KV "
-                 "pages stay held for good (fail closed; counted in %s%s).", where,
-                 getattr(lease, "rid", "?"), getattr(lease, "room", "?"), type(exc).__name__,
-                 exc, metrics.PREFIX, FAILED, exc_info=True)
+class _Draining:
+    """The context :func:`draining` returns: armed from construction until it exits."""
+
+    def __init__(self, armed: _Armed | None) -> None:
+        self.armed = armed
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        a = self.armed
+        if a is not None and _ARMED.get(id(a.req)) is a:
+            del _ARMED[id(a.req)]
+
+
+def _arming_failed(failure: Any) -> _Draining:
+    """Arming could not run: the release inside is still deferred, and held for good."""
+    kv_mgr, req = failure.args[0], failure.args[1]
+    armed = _Armed(kv_mgr, req, failed=True)
+    _ARMED[id(req)] = armed
+    return _Draining(armed)
+
+
+def _req_key(kv_mgr: Any, req: Any, *_: Any, **__: Any) -> Any:
+    return ("room", getattr(req, "bootstrap_room", None), str(getattr(req, "rid", "")))
+
+
+def _deferred_key(req: Any, *_: Any, **__: Any) -> Any:
+    return ("room", getattr(req, "bootstrap_room", None), str(getattr(req, "rid", "")))
 
 
 # --------------------------------------------------------------------------- hooks
 
 
-@contextlib.contextmanager
-def draining(kv_mgr: Any, req: Any) -> Iterator[None]:
+@hook("source_lease.draining", outcome=Outcome.HOLD, counter=FAILED,
+      on_failure=_arming_failed, key=_req_key,
+      effect="the release inside is deferred and held for good (row accounted), never freed "
+             "at once")
+def draining(kv_mgr: Any, req: Any) -> _Draining:
     """Around an upstream call that frees the KV of a request whose transfer failed or was
     aborted (its sender has concluded): a ``release_kv_cache`` of ``req`` inside is deferred
-    (:func:`deferred`) until the room drained. Off, or for a manager without transfer workers,
-    nothing changes. Never raises on its own account."""
-    lease: SourceLease | None = None
-    try:
-        if enabled() and _manager_supports(kv_mgr):
-            lease = of(kv_mgr).new(kv_mgr, req)
-            _ARMED[id(req)] = lease
-    except Exception as e:  # noqa: BLE001 - the hook never takes its caller down
-        # Nothing armed: upstream frees at once (this rank's lists stay as the others').
-        metrics.inc(FAILED)
-        logger.error("pdsafe source lease: arming failed for request %s (%s: %s); upstream "
-                     "frees its pages at once.", getattr(req, "rid", "?"), type(e).__name__, e,
-                     exc_info=True)
-        lease = None
-    try:
-        yield
-    finally:
-        if lease is not None and _ARMED.get(id(req)) is lease:
-            del _ARMED[id(req)]
+    (:func:`deferred`) until the room drained. Off, or for a manager without transfer
+    workers, nothing changes."""
+    if not (enabled() and _manager_supports(kv_mgr)):
+        return _Draining(None)
+    armed = _Armed(kv_mgr, req)
+    _ARMED[id(req)] = armed
+    return _Draining(armed)
 
 
+def _deferred_failed(failure: Any) -> bool:
+    """Taking the pages over could not run: they are held for good (the caller frees
+    nothing)."""
+    req = failure.args[0]
+    armed = _ARMED.get(id(req))
+    _hold_for_good(armed.kv_mgr if armed else None, req,
+                   f"the {failure.spec.name} hook failed")
+    return True
+
+
+@hook("source_lease.deferred", outcome=Outcome.HOLD, counter=FAILED,
+      on_failure=_deferred_failed, key=_deferred_key,
+      effect="the pages are held for good (row accounted), upstream frees nothing")
 def deferred(req: Any, tree_cache: Any, checkpoint: bool) -> bool:
     """``release_kv_cache``: True when the source lease took ``req``'s pages over (the caller
-    frees nothing now). Only a request armed by :func:`draining` is ever taken; any failure
-    while taking it keeps the pages (FAILED, counted). A second release of pages already held
-    inside the same call frees nothing either (they are freed once, by the lease)."""
-    lease = _ARMED.get(id(req))
-    if lease is None or lease.req is not req:
+    frees nothing now). Only a request armed by :func:`draining` is ever taken. A second
+    release of pages already held inside the same call frees nothing either (they are freed
+    once, by the lease)."""
+    armed = _ARMED.get(id(req))
+    if armed is None or armed.req is not req:
         return False
-    if lease.state in HOLDING:
+    rec = transfer.of(req)
+    if rec is not None and isinstance(rec.hold, Lease) \
+            and rec.state in (State.HELD, State.LEAKED):
         return True
-    if lease.state is not LeaseState.LEASED:
-        return False
-    return _take(lease, tree_cache, bool(checkpoint))
+    if armed.failed:
+        _hold_for_good(armed.kv_mgr, req, "arming its source lease failed")
+        return True
+    return _take(armed.kv_mgr, req, tree_cache, bool(checkpoint))
 
 
-def _take(lease: SourceLease, tree_cache: Any, checkpoint: bool) -> bool:
-    kv_mgr = lease.kv_mgr
-    lease.tree_cache, lease.checkpoint = tree_cache, checkpoint
-    reg: SourceLeases | None = None
-    try:
-        reg = of(kv_mgr)
-        reg.add(lease)  # first: every rank lists the lease, whatever happens below
-        lease.pages = _pages_of(lease.req, tree_cache)
-        fence = Fence(lease.room if lease.room is not None else -1)
-        queues = int(kv_mgr.pdsafe_fence_transfer_workers(fence))
-        fence.expect(queues)
-        if queues == 0:  # no transfer worker on this manager: nothing can read the pages
-            lease.move(LeaseState.RELEASED)
-            reg.remove(lease)
-            return False
-        lease.fence = fence
-        now = time.monotonic()
-        lease.held_since, lease.deadline = now, now + alarm_after_s()
-        lease.move(LeaseState.HELD)
-        if lease.room is not None:
-            _, poisoned = kv_mgr.pdsafe_room_in_flight(lease.room)
-            if poisoned and not lease.poisoned:
-                lease.poisoned = True
-                _mark_poisoned([lease])
-            lease.room_claimed = _claim_room(kv_mgr, lease)
-        reg.publish()
-        logger.debug("pdsafe source lease: holding %d pages of %s (room %s) behind %d "
-                     "transfer queues", lease.pages, lease.rid, lease.room, queues)
-        return True
-    except Exception as e:  # noqa: BLE001 - fail closed: the pages stay held
-        lease.fail()
-        with contextlib.suppress(Exception):
-            (reg or of(kv_mgr)).add(lease)
-        _count_failure("holding", lease, e)
-        return True
+def _record_of(kv_mgr: Any, req: Any) -> Transfer:
+    """``req``'s record (a new detached one when it carries none, or an ended one, e.g. a
+    request refused before its claim)."""
+    rec = transfer.of(req)
+    if rec is None or rec.terminal or rec.state is State.HELD:
+        room = getattr(req, "bootstrap_room", None)
+        rec = transfer.leg(kv_mgr).open(None, str(getattr(req, "rid", "?")))
+        rec.room = None if room is None else int(room)
+        transfer.attach(req, rec)
+    return rec
+
+
+def _take(kv_mgr: Any, req: Any, tree_cache: Any, checkpoint: bool) -> bool:
+    rec = _record_of(kv_mgr, req)
+    lease = Lease(req=req, tree_cache=tree_cache, checkpoint=checkpoint,
+                  pages=_pages_of(req, tree_cache))
+    fence = Fence(rec.room if rec.room is not None else -1)
+    queues = int(kv_mgr.pdsafe_fence_transfer_workers(fence))
+    fence.expect(queues)
+    rec.refuse()
+    rec.hold = lease
+    if queues == 0:  # no transfer worker on this manager: nothing can read the pages
+        rec.advance(State.RELEASED, why="no transfer worker on this manager")
+        return False
+    lease.fence = fence
+    now = time.monotonic()
+    lease.held_since, lease.deadline = now, now + alarm_after_s()
+    rec.advance(State.HELD, why="its transfer workers may still read the pages")
+    reg = of(kv_mgr)
+    reg.add(rec)
+    transfer.leg(kv_mgr).hold(rec)
+    transfer.hold_row(rec.seq, req.kv)
+    if rec.room is not None:
+        _, poisoned = kv_mgr.pdsafe_room_in_flight(rec.room)
+        if (poisoned or rec.room in reg.poisoned_rooms) and not lease.poisoned:
+            lease.poisoned = True
+            _mark_poisoned([rec])
+        _keep_room(kv_mgr, rec)
+    reg.publish()
+    logger.debug("pdsafe source lease: holding %d pages of %s (room %s) behind %d "
+                 "transfer queues", lease.pages, rec.rid, rec.room, queues)
+    return True
+
+
+def _hold_for_good(kv_mgr: Any, req: Any, why: str) -> None:
+    """Keep ``req``'s pages for good: its record LEAKED (listed in the lease table), its row
+    accounted as held."""
+    rec = transfer.of(req)
+    if rec is not None:
+        if rec.is_open:
+            rec.refuse()
+        if rec.state in (State.REFUSED, State.HELD):
+            rec.advance(State.LEAKED, why=why)
+        if not isinstance(rec.hold, Lease):
+            rec.hold = Lease(req=req)
+        if kv_mgr is not None:
+            of(kv_mgr).add(rec)
+            transfer.leg(kv_mgr).hold(rec)
+    transfer.hold_row(rec.seq if rec is not None else id(req), getattr(req, "kv", None))
+    metrics.inc("rows_held_for_good_total")
+    logger.error("pdsafe source lease: request %s (room %s) keeps its KV pages for good: %s. "
+                 "Restart the prefill to reclaim them.", getattr(req, "rid", "?"),
+                 getattr(req, "bootstrap_room", "?"), why)
 
 
 def _pages_of(req: Any, tree_cache: Any) -> int:
@@ -411,92 +456,74 @@ def _pages_of(req: Any, tree_cache: Any) -> int:
     return -(-max(tokens, 0) // page)
 
 
-def _claim_room(kv_mgr: Any, lease: SourceLease) -> bool:
-    """Keep the room live on this server while its chunks may sit in the queues (a new request
-    of it would restart upstream's per-room accounting and let them through)."""
-    from sglang.pdsafe import room_guard
-    from sglang.pdsafe.peer_notifier import is_fake_bootstrap
-
-    if (not room_guard.enabled() or lease.room is None
-            or is_fake_bootstrap(getattr(lease.req, "bootstrap_host", None))):
-        return False
-    prev = room_guard.live_rooms(kv_mgr).claim(lease.room, lease.rid)
-    if prev is not None:
+def _keep_room(kv_mgr: Any, rec: Transfer) -> None:
+    """Keep the room live on this server while its chunks may sit in the queues (a new
+    request of it would restart upstream's per-room accounting and let them through)."""
+    if rec.room is None or room_guard.is_fake_bootstrap(
+            getattr(rec.hold.req, "bootstrap_host", None)):
+        return
+    prev = transfer.leg(kv_mgr).keep_room(rec)
+    if prev is not None and prev is not rec:
         logger.warning("pdsafe source lease: room %s of %s was live for request %s",
-                       lease.room, lease.rid, prev.rid)
-    return True
+                       rec.room, rec.rid, prev.rid)
 
 
-def _mark_poisoned(leases: Iterable[SourceLease]) -> None:
-    for lease in leases:
+def _mark_poisoned(records: Iterable[Transfer]) -> None:
+    for rec in records:
         metrics.inc(POISONED)
         logger.error("pdsafe source lease: the transfer backend cannot prove that the writes of "
                      "request %s (room %s) settled; its %d KV pages stay held for good (a "
-                     "restart of this prefill frees them).", lease.rid, lease.room, lease.pages)
+                     "restart of this prefill frees them).", rec.rid, rec.room, rec.hold.pages)
 
 
-@guarded("source_lease.room_poisoned", FAILED, default=None)
+@hook("source_lease.room_poisoned", outcome=Outcome.POISON, counter=FAILED,
+      on_failure=returns(None), key=lambda kv_mgr, room: ("room", room),
+      effect="the server is poisoned: it can no longer tell which leases are unsettled")
 def room_poisoned(kv_mgr: Any, room: int) -> None:
     """``CommonKVManager.poison_deferred_ack_room`` (any thread): the backend cannot prove
     ``room``'s transfer settled; a held lease of it is never released."""
-    reg = getattr(kv_mgr, _REGISTRY_ATTR, None)
-    if reg is not None:
-        _mark_poisoned(reg.latch_poison(int(room)))
+    _mark_poisoned(of(kv_mgr).latch_poison(int(room)))
 
 
+@hook("source_lease.fence_reached", outcome=Outcome.HOLD, counter=FAILED,
+      on_failure=lambda failure: isinstance(failure.args[0], Fence),
+      effect="a fence is still skipped as a fence; its lease never sees it passed (held)")
 def fence_reached(item: Any) -> bool:
     """A transfer worker dequeued ``item``: True (and the fence is marked) when it is a
-    :class:`Fence`, which the worker then skips. Never raises."""
+    :class:`Fence`, which the worker then skips."""
     if not isinstance(item, Fence):
         return False
-    try:
-        item.reach()
-    except Exception:  # noqa: BLE001 - a worker thread must survive; the fence never passes
-        logger.exception("pdsafe source lease: a fence could not be marked")
+    item.reach()
     return True
 
 
-@guarded("source_lease.holding", FAILED, default=True)
-def holding(kv_mgr: Any) -> bool:
-    """``Scheduler.is_fully_idle``: leased pages are not idle (upstream's idle leak check would
-    count them as leaked). Fail closed: a failing check answers True."""
-    reg = getattr(kv_mgr, _REGISTRY_ATTR, None)
-    return reg is not None and len(reg) > 0
-
-
-def _drained(kv_mgr: Any, lease: SourceLease, now: float) -> bool:
-    """This rank's evidence for ``lease`` (see the module doc); moves it OVERDUE past its
-    deadline (alarm once, counted). A failure moves it FAILED (held for good, counted)."""
-    try:
-        if lease.state is LeaseState.FAILED:
-            return False
-        drained = False
-        if not lease.poisoned and lease.fence is not None and lease.fence.passed:
-            in_flight, poisoned = kv_mgr.pdsafe_room_in_flight(lease.room)
-            if poisoned and not lease.poisoned:
-                lease.poisoned = True
-                _mark_poisoned([lease])
-            drained = not poisoned and int(in_flight) <= 0
-        if not drained and lease.state is LeaseState.HELD and now >= lease.deadline:
-            lease.move(LeaseState.OVERDUE)
-            metrics.inc(OVERDUE)
-            if lease.poisoned:
-                why = "the backend marked its transfer unsettled"
-            elif lease.fence is None or not lease.fence.passed:
-                why = "a transfer queue has not reached its fence"
-            else:
-                why = "a chunk of it is still in flight"
-            logger.error(
-                "pdsafe source lease: the %d KV pages of request %s (room %s) are still held "
-                "%.1f s after its transfer failed: %s. They stay held (upstream would have "
-                "reused them while a transfer worker may still read them). Operator: check the "
-                "transfer engine and the decode peer (sglang:pdsafe_source_pages_held).",
-                lease.pages, lease.rid, lease.room, now - lease.held_since, why)
-        return drained
-    except Exception as e:  # noqa: BLE001 - fail closed
-        lease.fail()
-        _count_failure("the drain check", lease, e)
-        return False
+def _drained(kv_mgr: Any, rec: Transfer, now: float) -> bool:
+    """This rank's evidence for ``rec``'s lease (see the module doc); marks it overdue past
+    its deadline (alarm once, counted)."""
+    lease: Lease = rec.hold
+    drained = False
+    if not lease.poisoned and lease.fence is not None and lease.fence.passed:
+        in_flight, poisoned = kv_mgr.pdsafe_room_in_flight(rec.room)
+        if poisoned and not lease.poisoned:
+            lease.poisoned = True
+            _mark_poisoned([rec])
+        drained = not poisoned and int(in_flight) <= 0
+    if not drained and not lease.overdue and now >= lease.deadline:
+        lease.overdue = True
+        metrics.inc(OVERDUE)
+        if lease.poisoned:
+            why = "the backend marked its transfer unsettled"
+        elif lease.fence is None or not lease.fence.passed:
+            why = "a transfer queue has not reached its fence"
+        else:
+            why = "a chunk of it is still in flight"
+        logger.error(
+            "pdsafe source lease: the %d KV pages of request %s (room %s) are still held "
+            "%.1f s after its transfer failed: %s. They stay held (upstream would have "
+            "reused them while a transfer worker may still read them). Operator: check the "
+            "transfer engine and the decode peer (sglang:pdsafe_source_pages_held).",
+            lease.pages, rec.rid, rec.room, now - lease.held_since, why)
+    return drained
 
 
 def _agree(flags: list[int], groups: Iterable[Any]) -> list[int]:
@@ -504,63 +531,55 @@ def _agree(flags: list[int], groups: Iterable[Any]) -> list[int]:
     groups = [g for g in groups if g is not None]
     if not groups or not flags:
         return flags
-    import torch.distributed as dist
-    from sglang.srt.disaggregation.utils import all_reduce_flags
-
     for group in groups:
-        flags = all_reduce_flags(flags=flags, group=group, op=dist.ReduceOp.MIN)
+        flags = disagg_utils.all_reduce_flags(flags=flags, group=group, op=dist.ReduceOp.MIN)
     return [int(f) for f in flags]
 
 
-@guarded("source_lease.release_drained", FAILED, default=0)
+@hook("source_lease.release_drained", outcome=Outcome.HOLD, counter=FAILED,
+      on_failure=returns(0),
+      effect="nothing is freed this pass (counted once); the leases stay held")
 def release_drained(kv_mgr: Any, groups: Iterable[Any] = ()) -> int:
     """Top of ``process_disagg_prefill_inflight_queue`` (every scheduler pass): free, with
     upstream's ``release_kv_cache``, the pages of every lease drained on all ranks of
     ``groups`` (attention TP, then CP). Returns how many were freed.
 
     Every rank holds the same leases in the same order and takes part in the all-reduce
-    whenever it holds any; this rank's evidence cannot raise (a failure is a FAILED lease)."""
-    reg = getattr(kv_mgr, _REGISTRY_ATTR, None)
-    if reg is None or len(reg) == 0:
+    whenever it holds any."""
+    reg = _if_any(kv_mgr)
+    if reg is None:
         return 0
     leases = reg.leases()
-    now = time.monotonic()
-    flags = [1 if _drained(kv_mgr, lease, now) else 0 for lease in leases]
-    try:
-        agreed = _agree(flags, groups)
-        if len(agreed) != len(leases):
-            raise RuntimeError(f"{len(agreed)} verdicts for {len(leases)} leases")
-    except Exception as e:  # noqa: BLE001 - nothing is freed without agreement
-        metrics.inc(FAILED)
-        logger.error("pdsafe source lease: the ranks could not agree on drained leases (%s: "
-                     "%s); nothing freed this pass.", type(e).__name__, e, exc_info=True)
+    if not leases:
         return 0
+    now = time.monotonic()
+    flags = [1 if _drained(kv_mgr, rec, now) else 0 for rec in leases]
+    agreed = _agree(flags, groups)
+    if len(agreed) != len(leases):
+        raise RuntimeError(f"{len(agreed)} verdicts for {len(leases)} leases")
     freed = 0
-    for lease, ok in zip(leases, agreed, strict=True):
-        if ok and lease.state in (LeaseState.HELD, LeaseState.OVERDUE):
-            _release(reg, kv_mgr, lease, now)
+    for rec, ok in zip(leases, agreed, strict=True):
+        if ok and rec.state is State.HELD:
+            _release(reg, kv_mgr, rec, now)
             freed += 1
     return freed
 
 
-def _release(reg: SourceLeases, kv_mgr: Any, lease: SourceLease, now: float) -> None:
-    """Free ``lease``'s pages exactly once: it leaves the registry and its state is terminal
+def _release(reg: SourceLeases, kv_mgr: Any, rec: Transfer, now: float) -> None:
+    """Free ``rec``'s pages exactly once: it leaves the registry and its state is terminal
     before upstream's release runs, so a failing release is never retried."""
-    lease.move(LeaseState.RELEASED_DRAINED)
-    reg.remove(lease)
+    lease: Lease = rec.hold
+    rec.advance(State.RELEASED, why="drained on every rank")
+    reg.remove(rec)
+    transfer.drop_row(rec.seq)
     metrics.inc(RELEASED)
     metrics.observe("source_lease_hold_seconds", max(0.0, now - lease.held_since))
     try:
-        from sglang.srt.mem_cache.common import release_kv_cache
-
-        release_kv_cache(lease.req, lease.tree_cache, checkpoint=lease.checkpoint)
-    except Exception as e:  # noqa: BLE001 - upstream's release of drained pages
-        _count_failure("freeing the drained pages", lease, e)
-    if lease.room_claimed:
-        from sglang.pdsafe import room_guard
-
-        if getattr(lease.sender, "kv_mgr", None) is kv_mgr:
-            room_guard.released(lease.sender)  # guarded; answers duplicates refused meanwhile
-        else:
-            room_guard.live_rooms(kv_mgr).release(int(lease.room))
-    lease.req = lease.sender = lease.tree_cache = lease.kv_mgr = None
+        mem_common.release_kv_cache(lease.req, lease.tree_cache, checkpoint=lease.checkpoint)
+    finally:
+        lg = transfer.leg(kv_mgr)
+        if rec.keeps_room:
+            lg.release_room(rec)
+            room_guard.room_freed(kv_mgr, rec)
+        lg.unhold(rec)
+        lease.req = lease.tree_cache = None

@@ -126,9 +126,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sglang.pdsafe import metrics
-from sglang.pdsafe.hook_api import attached, guarded, require
-from sglang.pdsafe.protections import Protection, is_pd, register
+from sglang.pdsafe import metrics, pair_settings, policy, transfer
+from sglang.pdsafe.hook_api import require
+from sglang.pdsafe.page_generation import process_epochs
+from sglang.pdsafe.policy import Outcome, hook, returns
+from sglang.pdsafe.protections import Protection, register
+from sglang.srt.disaggregation.base.conn import KVPoll
 
 logger = logging.getLogger("sglang.pdsafe.transfer_generation")
 
@@ -153,7 +156,6 @@ register(Protection(
     name="transfer-generation",
     guards="every status, aux and chunk-ready message of a PD transfer carries the "
            "reservation's server-minted generation; stale or replayed ones are dropped",
-    is_active=is_pd,
 ))
 
 require(_KV_MANAGER, "pdsafe_transfer_generation_wired", "pdsafe_room_status(bootstrap_room)",
@@ -175,7 +177,6 @@ require("sglang.srt.disaggregation.common.conn.CommonKVSender",
         "pdsafe_transfer_generation()",
         why="transfer generations: prefill binds the room's generation into the KV digest")
 
-_guard = {"failure_counter": FAILED}
 
 
 class GenerationSplitError(RuntimeError):
@@ -220,6 +221,11 @@ def derive(*, room: int, aux_index: int | None, page_indices: Any,
 
 
 # =========================================================================== decode side
+#
+# A decode rank's reservation of a room is its live transfer record (room guard claim ->
+# receiver clear); from the moment its metadata went out (``record.metadata_out``) the record
+# carries the generation (``record.generation``, ``record.generation_sent``: it went to at
+# least one prefill rank) and the metadata slot (``record.aux_index``).
 
 
 @dataclass(frozen=True)
@@ -232,124 +238,148 @@ class Live:
     sent: bool = False  # the generation went to at least one prefill rank
 
 
-class _DecodeRooms:
+class _DecodeTable:
+    """Per decode leg: the fallback counter (page generations off) and, per room, the
+    generation its latest metadata carried, kept past the release (the ABORT of a failed
+    transfer goes out after ``_clear``), replaced by the room's next metadata, bounded
+    (:data:`MAX_ROOMS`, oldest dropped)."""
+
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.rooms: dict[int, Live] = {}
         self.counter = itertools.count(1)
-        #: room -> the generation its latest metadata carried; kept past the release (the
-        #: ABORT of a failed transfer goes out after ``_clear``), replaced by the room's next
-        #: metadata, bounded (:data:`MAX_ROOMS`, oldest dropped).
         self.last_sent: OrderedDict[int, int] = OrderedDict()
 
 
-def _decode_rooms(kv_mgr: Any) -> _DecodeRooms:
-    return attached(kv_mgr, "_pdsafe_transfer_generation_decode", _DecodeRooms)
-
-
-def _receiver_generation_attr() -> str:
-    return "_pdsafe_transfer_generation"
+def _decode_table(kv_mgr: Any) -> _DecodeTable:
+    return transfer.leg(kv_mgr).table("transfer_generation", _DecodeTable)
 
 
 def _epochs(kv_mgr: Any) -> tuple[int, ...]:
-    from sglang.pdsafe import page_generation
-
-    epochs = page_generation.process_epochs()
+    epochs = process_epochs()
     if epochs:
         return epochs
-    return (-next(_decode_rooms(kv_mgr).counter),)
+    return (-next(_decode_table(kv_mgr).counter),)
 
 
-@guarded("transfer_generation.mint", default=None, **_guard)
+def _receiver_record(receiver: Any) -> transfer.Transfer:
+    """The live record of ``receiver``'s room (a new one when nothing claimed it: a
+    receiver built without the scheduler's door, as upstream's tests do)."""
+    lg = transfer.leg(receiver.kv_mgr)
+    room = int(receiver.bootstrap_room)
+    rec = lg.of_room(room)
+    if rec is None or not rec.is_open:
+        rec = lg.open(room, f"room-{room}")
+    return rec
+
+
+def _receiver_key(receiver: Any, *_: Any, **__: Any) -> Any:
+    return ("room", getattr(receiver, "bootstrap_room", None), id(receiver))
+
+
+def _fail_receiver_room(failure: policy.Failure) -> Any:
+    """Refuse the reservation now: its room fails on this decode (the request aborts at the
+    next poll, its prefill told by upstream's failure path)."""
+    receiver = failure.args[0]
+    transfer.fail_room(receiver.kv_mgr, receiver.bootstrap_room,
+                       failure.refusal(500, "the KV transfer (its transfer generation could "
+                                            "not be minted or sent)"))
+    return []
+
+
+@hook("transfer_generation.mint", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_fail_receiver_room, key=_receiver_key,
+      effect="the room fails at once on the decode (500; the prefill told)")
 def mint(receiver: Any, page_indices: Any, aux_index: int | None) -> None:
     """``CommonKVReceiver.send_metadata``, before the metadata for the reservation of
     ``page_indices`` and metadata slot ``aux_index`` goes to any prefill rank: mint the
-    reservation's generation (a re-sent metadata, a new reservation, mints anew). A failure
-    leaves none (counted, logged): the room's messages are then checked only as those of a
-    stock peer's, and the coverage and digest rows still check its transfer."""
-    setattr(receiver, _receiver_generation_attr(), 0)
-    receiver._pdsafe_transfer_generation_sent = 0
+    reservation's generation into its record (a re-sent metadata, a new reservation, mints
+    anew), and record its writer (the prefill address and the incarnation registered
+    there, which the quarantine's evidence needs)."""
     kv_mgr = receiver.kv_mgr
+    rec = _receiver_record(receiver)
+    lg = transfer.leg(kv_mgr)
+    writer = str(getattr(receiver, "bootstrap_addr", "") or "")
+    incarnation = pair_settings.prefill_incarnation(kv_mgr, writer)
+    with lg.lock:
+        rec.generation, rec.generation_sent, rec.metadata_out = 0, False, False
+        rec.writer, rec.writer_incarnation = writer, incarnation
     if not getattr(kv_mgr, "pdsafe_transfer_generation_wired", False):
         return
     room = int(receiver.bootstrap_room)
     generation = derive(room=room, aux_index=aux_index, page_indices=page_indices,
                         epochs=_epochs(kv_mgr))
-    setattr(receiver, _receiver_generation_attr(), generation)
-    rooms = _decode_rooms(kv_mgr)
-    with rooms.lock:
-        rooms.rooms[room] = Live(generation, None if aux_index is None else int(aux_index))
+    with lg.lock:
+        rec.generation = generation
+        rec.aux_index = None if aux_index is None else int(aux_index)
 
 
-def _minted(receiver: Any) -> int:
-    """The generation ``receiver``'s reservation got (0: none)."""
-    return int(getattr(receiver, _receiver_generation_attr(), 0) or 0)
-
-
+@policy.passthrough("transfer_generation.receiver_generation",
+                    why="behind CommonKVReceiver.pdsafe_transfer_generation, which only "
+                        "pdsafe's own checks call (their hooks' policy applies)")
 def receiver_generation(receiver: Any) -> int:
     """The generation ``receiver`` sent with its metadata (0: none was sent; its prefill then
-    digests with 0 too): what ``CommonKVReceiver.pdsafe_transfer_generation`` answers and the
-    KV digest check binds on decode."""
-    return int(getattr(receiver, "_pdsafe_transfer_generation_sent", 0) or 0)
+    digests with 0 too): what ``CommonKVReceiver.pdsafe_transfer_generation`` answers."""
+    rec = transfer.leg(receiver.kv_mgr).of_room(int(receiver.bootstrap_room))
+    return rec.generation if rec is not None and rec.generation_sent else 0
 
 
-@guarded("transfer_generation.metadata_frames", default=[], **_guard)
+@hook("transfer_generation.metadata_frames", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_fail_receiver_room, key=_receiver_key,
+      effect="the room fails at once on the decode (500; the prefill told); nothing sent "
+             "untagged is relied on")
 def metadata_frames(receiver: Any) -> list[bytes]:
     """``CommonKVReceiver.send_metadata``: the frames appended to the metadata for the room's
     prefill: the generation frame when this rank minted one and the prefill published this
     release's wire version, else none (then nothing is expected back). Either way the room's
     metadata is now out: from here on its prefill may send for it (before, nothing it sends
     can be for this reservation: :func:`drops_stale_message`)."""
-    from sglang.pdsafe import pair_agreement
-
     kv_mgr = receiver.kv_mgr
     room = int(receiver.bootstrap_room)
-    generation = _minted(receiver)
-    send = bool(generation) and pair_agreement.prefill_wire_version(
-        kv_mgr, receiver.bootstrap_addr) == pair_agreement.WIRE_VERSION
-    rooms = _decode_rooms(kv_mgr)
-    with rooms.lock:
-        live = rooms.rooms.get(room)
-        if live is None or live.generation != generation:
-            # not minted (a backend without it, or a failed mint), or cleared: no generation
-            live = Live(0, None, False)
-            send = False
-        rooms.rooms[room] = Live(live.generation, live.aux_index, live.sent or send)
+    lg = transfer.leg(kv_mgr)
+    rec = lg.of_room(room)
+    send = bool(rec is not None and rec.generation) and pair_settings.prefill_wire_version(
+        kv_mgr, receiver.bootstrap_addr) == pair_settings.WIRE_VERSION
+    table = _decode_table(kv_mgr)
+    with lg.lock:
+        if rec is None:
+            return []
+        rec.metadata_out = True
+        rec.generation_sent = rec.generation_sent or send
         if send:
-            rooms.last_sent[room] = generation
-            rooms.last_sent.move_to_end(room)
-            while len(rooms.last_sent) > MAX_ROOMS:
-                rooms.last_sent.popitem(last=False)
-        elif not live.sent:
-            rooms.last_sent.pop(room, None)
-    if not send:
-        return []
-    receiver._pdsafe_transfer_generation_sent = generation
-    return [encode_frame(generation)]
+            table.last_sent[room] = rec.generation
+            table.last_sent.move_to_end(room)
+            while len(table.last_sent) > MAX_ROOMS:
+                table.last_sent.popitem(last=False)
+        elif not rec.generation_sent:
+            table.last_sent.pop(room, None)
+        if rec.state is transfer.State.RESERVED:
+            rec.advance(transfer.State.SENT)
+    return [encode_frame(rec.generation)] if send else []
 
 
+@hook("transfer_generation.released", outcome=Outcome.HOLD, counter=FAILED,
+      on_failure=returns(None), key=_receiver_key,
+      effect="the reservation's generation stays live until the room's next claim "
+             "replaces it (messages for it are still checked)")
 def released(receiver: Any) -> None:
-    """``CommonKVReceiver._clear``: the reservation is gone; its generation stops being live
-    (only if no later reservation of the room replaced it; a receiver that minted none
-    drops the room's generation-less entry). Never raises."""
-    generation = _minted(receiver)
-    try:
-        rooms = _decode_rooms(receiver.kv_mgr)
-        with rooms.lock:
-            live = rooms.rooms.get(int(receiver.bootstrap_room))
-            if live is not None and live.generation == generation:
-                del rooms.rooms[int(receiver.bootstrap_room)]
-    except Exception as e:  # noqa: BLE001 - cleanup; a stale entry only drops messages
-        metrics.inc(FAILED)
-        logger.error("pdsafe transfer generation: could not release room %s: %s: %s",
-                     getattr(receiver, "bootstrap_room", "?"), type(e).__name__, e)
+    """``CommonKVReceiver._clear``: the reservation is gone; its record stops being the
+    room's live one (if the room guard did not close it already)."""
+    lg = transfer.leg_if_any(receiver.kv_mgr)
+    rec = lg.of_room(int(receiver.bootstrap_room)) if lg is not None else None
+    if rec is not None and not rec.keeps_room:
+        lg.close(rec)
 
 
 def live_reservation(kv_mgr: Any, room: int) -> Live | None:
     """The room's reservation on this decode rank once its metadata went out, else None."""
-    rooms = _decode_rooms(kv_mgr)
-    with rooms.lock:
-        return rooms.rooms.get(int(room))
+    lg = transfer.leg_if_any(kv_mgr)
+    if lg is None:
+        return None
+    with lg.lock:
+        rec = lg.live.get(int(room))
+        if rec is None or not rec.metadata_out:
+            return None
+        return Live(rec.generation if rec.generation_sent else 0, rec.aux_index,
+                    rec.generation_sent)
 
 
 def expected(kv_mgr: Any, room: int) -> Live | None:
@@ -389,19 +419,40 @@ def _parse(kv_mgr: Any, kind: str, msg: Sequence[bytes]) -> tuple[int, int | Non
 
 
 def _is_success(status: int | None) -> bool:
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
     return status == int(KVPoll.Success)
 
 
 _COUNTERS = {"kv_status": STALE_STATUS, "aux_data": STALE_AUX, "chunk_ready": STALE_CHUNK}
 
 
-@guarded("transfer_generation.drops_stale_message", default=True, **_guard)
+def _drop_and_fail(failure: policy.Failure) -> bool:
+    """The check could not run: the message is dropped, and the room it names (when it can
+    be read) fails now, so its request gets an explicit error instead of a timeout."""
+    kv_mgr, kind, msg = failure.args[0], failure.args[1], failure.args[2]
+    try:
+        parsed = _parse(kv_mgr, kind, msg)
+    except Exception:  # noqa: BLE001 - unreadable: dropped, nothing to fail
+        parsed = None
+    if parsed is not None:
+        transfer.fail_room(kv_mgr, parsed[0], failure.refusal(
+            500, f"the KV transfer (a {kind} message for it could not be checked)"))
+    return True
+
+
+def _message_key(kv_mgr: Any, kind: str, msg: Sequence[bytes]) -> Any:
+    try:
+        parsed = _parse(kv_mgr, kind, msg)
+    except Exception:  # noqa: BLE001
+        parsed = None
+    return ("room", parsed[0] if parsed else None, kind)
+
+
+@hook("transfer_generation.drops_stale_message", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_drop_and_fail, key=_message_key,
+      effect="the message is dropped and its room fails at once (500; the prefill told)")
 def drops_stale_message(kv_mgr: Any, kind: str, msg: Sequence[bytes]) -> bool:
     """Decode control thread, before upstream handles ``msg`` (``kind``: ``kv_status``,
-    ``aux_data`` or ``chunk_ready``): True when the message is dropped (counted). A failing
-    check drops it (fail closed: the request then fails at its own timeout)."""
+    ``aux_data`` or ``chunk_ready``): True when the message is dropped (counted)."""
     counter = _COUNTERS[kind]
     parsed = _parse(kv_mgr, kind, msg)
     if parsed is None:
@@ -466,14 +517,26 @@ class _PrefillRooms:
 
 
 def _prefill_rooms(kv_mgr: Any) -> _PrefillRooms:
-    return attached(kv_mgr, "_pdsafe_transfer_generation_prefill", _PrefillRooms)
+    return transfer.leg(kv_mgr).table("transfer_generation", _PrefillRooms)
 
 
 def _text(value: Any) -> str:
     return bytes(value).decode("ascii") if isinstance(value, (bytes, bytearray)) else str(value)
 
 
-@guarded("transfer_generation.note_metadata", default=None, **_guard)
+def _note_failed(failure: policy.Failure) -> None:
+    """The generation could not be recorded: the room fails here now (its prefill client
+    gets an explicit error; the decode, whose messages from here would carry no
+    generation, fails at its own timeout, or at once through the router's cancel)."""
+    kv_mgr, room = failure.args[0], failure.args[1]
+    transfer.fail_room(kv_mgr, room, failure.refusal(
+        500, "the KV transfer (the decode's transfer generation could not be recorded)"))
+
+
+@hook("transfer_generation.note_metadata", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_note_failed, key=lambda kv_mgr, room, msg: ("room", room),
+      effect="the room fails on the prefill at once; the decode leg fails at its timeout "
+             "(or through the router's cancel)")
 def note_metadata(kv_mgr: Any, room: int, msg: Sequence[bytes]) -> None:
     """Prefill bootstrap thread, when decode metadata for ``room`` arrives (``msg``: room,
     endpoint, port, ... as upstream's ``TransferInfo.from_zmq`` reads it): remember the
@@ -509,7 +572,19 @@ def _target_generation(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> int 
         return None if targets is None else targets.get((_text(endpoint), int(port)))
 
 
-@guarded("transfer_generation.generation_frames", default=[], **_guard)
+def _frames_failed(failure: policy.Failure) -> list[bytes]:
+    """The frame could not be read: the room fails here now; the message goes without a
+    generation (the decode drops it, and fails at its timeout or the router's cancel)."""
+    kv_mgr, room = failure.args[0], failure.args[1]
+    transfer.fail_room(kv_mgr, room, failure.refusal(
+        500, "the KV transfer (its transfer generation could not be attached)"))
+    return []
+
+
+@hook("transfer_generation.generation_frames", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_frames_failed, key=lambda kv_mgr, room, *a: ("room", room),
+      effect="the room fails on the prefill at once; the untagged message is dropped by "
+             "the decode (which fails at its timeout or through the router's cancel)")
 def generation_frames(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> list[bytes]:
     """Prefill, for a message to one decode endpoint: the generation frame that endpoint sent
     for the room, or none (it sent none: a stock decode, or a room this prefill forgot)."""
@@ -526,6 +601,10 @@ def status_frames(kv_mgr: Any, room: int, endpoint: Any, port: Any, *,
     return frames if has_reason or not frames else [b""] + frames
 
 
+@policy.passthrough("transfer_generation.prefill_generation",
+                    why="behind CommonKVSender.pdsafe_transfer_generation, which only pdsafe's "
+                        "own checks call (the digest row's hook refuses the transfer on a "
+                        "split or a failure)")
 def prefill_generation(kv_mgr: Any, room: int) -> int:
     """The generation the decode ranks of ``room``'s current transfer sent (those whose
     metadata the manager holds for it now: ``pdsafe_decode_endpoints``; 0: none sent one).
@@ -556,6 +635,11 @@ def prefill_generation(kv_mgr: Any, room: int) -> int:
 # =========================================================================== ABORT / ABORT_ACK
 
 
+@hook("transfer_generation.abort_generation", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=lambda failure: int(failure.args[2]),
+      key=lambda kv_mgr, room, fallback: ("room", room),
+      effect="the ABORT carries upstream's counter: the prefill treats it as a generation it "
+             "never saw (accepts it, acknowledges the drain); the transfer fails either way")
 def abort_generation(kv_mgr: Any, room: int, fallback: int) -> int:
     """Decode, arming a deferred release for ``room`` (upstream's
     ``register_deferred_abort_room``): the generation its ABORT carries in upstream's generation
@@ -563,18 +647,10 @@ def abort_generation(kv_mgr: Any, room: int, fallback: int) -> int:
     carried (kept past the receiver's release: a failed transfer's ABORT goes out after
     ``_clear``), else ``fallback`` (upstream's per-manager counter: a stock prefill, or an abort
     before any metadata went out). The room guard keeps one reservation of a room per decode
-    at a time, so the latest metadata is the aborted reservation's. A failing lookup gives
-    ``fallback`` (counted): the prefill treats that as a generation it never saw (accepts the
-    ABORT and acknowledges it)."""
-    try:
-        rooms = _decode_rooms(kv_mgr)
-        with rooms.lock:
-            sent = rooms.last_sent.get(int(room))
-    except Exception as e:  # noqa: BLE001 - counted; upstream's counter stands in
-        metrics.inc(FAILED)
-        logger.error("pdsafe transfer generation: no generation for the ABORT of room %s: "
-                     "%s: %s", room, type(e).__name__, e)
-        return int(fallback)
+    at a time, so the latest metadata is the aborted reservation's."""
+    table = _decode_table(kv_mgr)
+    with transfer.leg(kv_mgr).lock:
+        sent = table.last_sent.get(int(room))
     return int(sent) if sent else int(fallback)
 
 
@@ -623,7 +699,10 @@ def abort_message_is_stale(kv_mgr: Any, msg: Sequence[bytes]) -> bool:
         return False
 
 
-@guarded("transfer_generation.drops_stale_abort", default=False, **_guard)
+@hook("transfer_generation.drops_stale_abort", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=returns(False),
+      key=lambda kv_mgr, notification: ("room", getattr(notification, "room", None)),
+      effect="the ABORT is accepted: the room's transfer fails (never a leak)")
 def drops_stale_abort(kv_mgr: Any, notification: Any) -> bool:
     """Prefill control thread, on an ABORT (upstream's parsed ``AbortNotification``), before
     upstream fails the room or registers its drain ACK: True when it is dropped (counted in
@@ -641,14 +720,14 @@ def drops_stale_abort(kv_mgr: Any, notification: Any) -> bool:
     return _drop(STALE_ABORT, "ABORT", room, why)
 
 
+@hook("transfer_generation.stale_abort_ack", outcome=Outcome.HOLD, counter=FAILED,
+      on_failure=returns(None), key=lambda kv_mgr, room, *a: ("room", room),
+      effect="the ignored ACK is not counted; it released nothing either way")
 def stale_abort_ack(kv_mgr: Any, room: int, prefill_rank: int, generation: int) -> None:
     """Decode, ``note_abort_ack`` ignored an ABORT_ACK: no deferred release of the room is
     armed (a late or duplicated ACK after the release, or a forged one) or it is armed for
     another generation (an earlier reservation's ACK). Upstream already ignores it (no page
-    is released by it); count and log it. Never raises."""
-    try:
-        _drop(STALE_ABORT_ACK, "ABORT_ACK", room,
-              f"prefill rank {prefill_rank} acknowledged generation {generation}, which holds "
-              "no deferred release of the room on this decode")
-    except Exception:  # noqa: BLE001 - counting only
-        pass
+    is released by it); count and log it."""
+    _drop(STALE_ABORT_ACK, "ABORT_ACK", room,
+          f"prefill rank {prefill_rank} acknowledged generation {generation}, which holds "
+          "no deferred release of the room on this decode")

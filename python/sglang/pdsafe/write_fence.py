@@ -18,14 +18,19 @@ from __future__ import annotations
 import logging
 
 from sglang.pdsafe import metrics
+from sglang.pdsafe.policy import Outcome, hook, returns
 
 logger = logging.getLogger("sglang.pdsafe.write_fence")
 
 DISCARDED = "writes_discarded_total"
 
 
+@hook("write_fence.chunk_discarded", outcome=Outcome.REFUSE, counter="write_fence_failed_total",
+      on_failure=returns(None), key=lambda room: ("room", room),
+      effect="the chunk is dropped regardless (its room already failed); the drop is not "
+             "counted")
 def chunk_discarded(room: int) -> None:
     """A transfer worker dropped a KV chunk of ``room`` before posting it (room failed,
-    aborted or cleared). Never raises (a declared counter; logging only)."""
+    aborted or cleared)."""
     metrics.inc(DISCARDED)
     logger.debug("pdsafe: dropped a KV chunk of room %s before posting it (aborted)", room)

@@ -79,7 +79,7 @@ so it sees the hooked function.
 
 ``SGLANG_PDSAFE_TEST_FAULTS=wire_version:VERSION`` (either role: a fork of another release)
     When the plugin loads (early in every server process, before the scheduler builds its KV
-    manager), ``sglang.pdsafe.pair_agreement.WIRE_VERSION`` is set to VERSION in that process,
+    manager), ``sglang.pdsafe.pair_settings.WIRE_VERSION`` is set to VERSION in that process,
     so the server speaks as an sglang-pdsafe release of that wire version everywhere the fork
     reads its own version (each reader looks it up at call time): the pair settings a prefill
     publishes and a decode compares (``pair_agreement.local_settings`` / ``published`` /
@@ -181,7 +181,7 @@ PARK_TARGETS = tuple(
 #: Log line of a parked request (``parked``, ``released``, ``left``).
 PARK_LOG = "TEST FAULT park_commit"
 #: ``wire_version``: the module attribute every reader of the fork's own wire version reads.
-WIRE_VERSION_TARGET = "sglang.pdsafe.pair_agreement.WIRE_VERSION"
+WIRE_VERSION_TARGET = "sglang.pdsafe.pair_settings.WIRE_VERSION"
 #: What ``wire_version:VERSION`` accepts: a pdsafe PD wire version, ``sglang-pdsafe-pair/N``.
 WIRE_VERSION_RE = re.compile(r"sglang-pdsafe-pair/[1-9][0-9]*")
 
@@ -262,9 +262,9 @@ def parse_wire_version(spec: str) -> str:
         raise ValueError(f"{ENV}: wire_version needs a pdsafe wire version "
                          f"sglang-pdsafe-pair/N, e.g. wire_version:sglang-pdsafe-pair/2, "
                          f"got {arg!r}")
-    from sglang.pdsafe import pair_agreement
+    from sglang.pdsafe import pair_settings
 
-    if arg == pair_agreement.WIRE_VERSION:
+    if arg == pair_settings.WIRE_VERSION:
         raise ValueError(f"{ENV}: wire_version:{arg} is this release's own wire version; "
                          f"name another release's (the fault would pretend nothing)")
     return arg
@@ -749,10 +749,11 @@ def register() -> None:
         logger.warning("%s=%r names no known test fault; nothing armed", ENV, spec)
         return
     if wire_version:
-        from sglang.pdsafe import pair_agreement
+        from sglang.pdsafe import pair_agreement, pair_settings
 
-        armed_wire_version = (pair_agreement.WIRE_VERSION, wire_version)
-        pair_agreement.WIRE_VERSION = wire_version
+        armed_wire_version = (pair_settings.WIRE_VERSION, wire_version)
+        pair_settings.WIRE_VERSION = wire_version
+        pair_agreement.WIRE_VERSION = wire_version  # the re-export, for readers of it
         logger.warning(
             "TEST FAULT ARMED (%s=%s, plugin %s, pid %d): this process speaks pdsafe wire "
             "version %s instead of this release's %s (%s): it publishes, announces and requires "

@@ -1,0 +1,141 @@
+"""What a PD leg publishes to its peer at pairing, and what a decode learned from each prefill.
+
+This is the wire floor shared by the checks that need it: pair agreement (compares the
+settings), the decode's capability announcement (announces only to prefills of this wire
+version), the transfer generation (sends one only to them) and the quarantine (the writer's
+process incarnation is its release evidence). Nothing here decides anything.
+
+* :data:`WIRE_VERSION`: the version of the fork's PD wire protocol (bump when a field changes
+  meaning or a message is added). Readers look it up at call time (``pair_settings.
+  WIRE_VERSION``), so the testkit can make a server speak as another release.
+* :data:`INCARNATION`: a random id of this server process, minted at import. A prefill
+  publishes it with its settings when it registers with its bootstrap server; a new process
+  (a restart) publishes a new one. A decode that registered with a prefill whose incarnation
+  it sees change knows the old process is gone.
+* :class:`PairSettings`: what one leg publishes.
+* The decode's table of what each prefill published (:func:`remember`,
+  :func:`prefill_wire_version`, :func:`prefill_incarnation`), a table of the KV manager's leg.
+
+Invariant: the table keeps, per prefill bootstrap address, what that prefill published the
+last time this decode fetched its settings, bounded (:data:`MAX_PREFILLS`, oldest dropped).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from sglang.pdsafe import transfer
+
+#: Version of the fork's PD wire protocol: what :class:`PairSettings` carries, and the
+#: messages a pdsafe peer understands.
+#: /2: a decode announces itself to a prefill of this version (``peer_capability``); a prefill
+#: of /1 would misparse that announcement, so a /2 decode sends it to /2 prefills only.
+#: /3: decode metadata and every prefill message for it carry the transfer generation
+#: (``transfer_generation``); a /3 decode drops a status without it, so /2 pairs are refused.
+#: /4: the coverage row's token digest binds the transfer generation (layout 2) and ABORT /
+#: ABORT_ACK name it: a /3 leg would refuse every /4 row ("no attestation"), so /3 pairs are
+#: refused at pairing instead.
+WIRE_VERSION = "sglang-pdsafe-pair/4"
+#: This process's incarnation (see the module doc).
+INCARNATION = secrets.token_hex(8)
+#: Prefills remembered per decode; the oldest are forgotten first.
+MAX_PREFILLS = 1024
+
+
+@dataclass(frozen=True)
+class PairSettings:
+    """What one leg publishes. ``None`` means "this leg could not tell" (never a mismatch by
+    itself, except ``wire_version``: a prefill without sglang-pdsafe publishes nothing).
+    ``incarnation`` is never compared: it identifies the process, not a setting."""
+
+    wire_version: str | None
+    page_size: int | None
+    kv_cache_dtype: str | None
+    kv_layout: str | None
+    context_length: int | None
+    chat_template: str | None
+    max_prompt_tokens: int | None = None
+    #: The KV digest scheme this leg sends/verifies, or "off" (``kv_integrity.advertised``).
+    kv_digest: str | None = None
+    incarnation: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> PairSettings | None:
+        """The settings a peer published, or None when it published none (or garbage)."""
+        if not isinstance(data, dict):
+            return None
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: data.get(k) for k in known})
+
+
+@dataclass(frozen=True)
+class Published:
+    """What one prefill published when this decode last fetched its settings."""
+
+    wire_version: str | None
+    incarnation: str | None
+
+
+class _Table:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.prefills: OrderedDict[str, Published] = OrderedDict()
+
+
+def _table(kv_mgr: Any) -> _Table:
+    return transfer.leg(kv_mgr).table("pair_settings", _Table)
+
+
+def incarnation_seen(leg: transfer.Leg, bootstrap_addr: str) -> str | None:
+    """:func:`prefill_incarnation` for a leg in hand (the quarantine's evidence)."""
+    t = leg.tables().get("pair_settings")
+    if t is None:
+        return None
+    with t.lock:
+        p = t.prefills.get(bootstrap_addr)
+    return None if p is None else p.incarnation
+
+
+def remember(kv_mgr: Any, bootstrap_addr: str, settings: PairSettings | None) -> Published:
+    """Record what the prefill at ``bootstrap_addr`` published (None: nothing, a stock
+    prefill); returns what it published before (``Published(None, None)`` if unknown)."""
+    version = settings.wire_version if settings is not None else None
+    incarnation = settings.incarnation if settings is not None else None
+    new = Published(version if isinstance(version, str) else None,
+                    incarnation if isinstance(incarnation, str) else None)
+    t = _table(kv_mgr)
+    with t.lock:
+        old = t.prefills.get(bootstrap_addr, Published(None, None))
+        t.prefills[bootstrap_addr] = new
+        t.prefills.move_to_end(bootstrap_addr)
+        while len(t.prefills) > MAX_PREFILLS:
+            t.prefills.popitem(last=False)
+    return old
+
+
+def _published(kv_mgr: Any, bootstrap_addr: str) -> Published | None:
+    t = _table(kv_mgr)
+    with t.lock:
+        return t.prefills.get(bootstrap_addr)
+
+
+def prefill_wire_version(kv_mgr: Any, bootstrap_addr: str) -> str | None:
+    """The pdsafe wire version the prefill at ``bootstrap_addr`` published when this decode
+    last paired with it (None: it published none, a stock prefill, or it was never fetched).
+    ``peer_capability`` announces this decode only to a prefill of this release's version."""
+    p = _published(kv_mgr, bootstrap_addr)
+    return None if p is None else p.wire_version
+
+
+def prefill_incarnation(kv_mgr: Any, bootstrap_addr: str) -> str | None:
+    """The process incarnation the prefill at ``bootstrap_addr`` published when this decode
+    last paired with it (None: unknown; a stock prefill publishes none)."""
+    p = _published(kv_mgr, bootstrap_addr)
+    return None if p is None else p.incarnation
