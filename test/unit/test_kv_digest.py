@@ -412,6 +412,38 @@ def test_upstream_writer_on_owned_slot_changes_digest_tail_does_not() -> None:
     assert c.digest().value != base.value
 
 
+def test_scrub_zeroes_exactly_the_owned_rows_of_every_component() -> None:
+    """A fake transfer's pages are zeroed before it decodes: every owned row of every
+    component becomes zero, every other row keeps its bytes."""
+    pool = mp.MHATokenToKVPool(size=300, page_size=1, dtype=torch.bfloat16, head_num=4,
+                               head_dim=32, layer_num=2, enable_alt_stream=False, **CPU)
+    bufs = list(pool.k_buffer) + list(pool.v_buffer)
+    _randomize(bufs, 11)
+    before = [b.clone() for b in bufs]
+    row = torch.tensor(random.Random(2).sample(range(1, 300), 40), dtype=torch.int32)
+    owned = row[5:40].to(torch.int64)
+    assert kd.scrub_request(pool, row, prefix=5, length=40) == 35 * 4  # 2 layers x K, V
+    for b, old in zip(bufs, before, strict=True):
+        assert not bool(b[owned].any())
+        rest = torch.ones(b.shape[0], dtype=torch.bool)
+        rest[owned] = False
+        assert torch.equal(b[rest].view(torch.uint8), old[rest].view(torch.uint8))
+
+
+def test_scrub_refuses_a_layout_it_cannot_address_before_writing_anything() -> None:
+    pool = mp.MHATokenToKVPool(size=64, page_size=1, dtype=torch.bfloat16, head_num=1,
+                               head_dim=8, layer_num=1, enable_alt_stream=False, **CPU)
+    prepared = kd.prepare(pool)
+    broken = replace(prepared, components=prepared.components[:1] + (
+        replace(prepared.components[1], clear=None),))
+    _randomize(list(pool.k_buffer) + list(pool.v_buffer), 3)
+    snapshot = pool.k_buffer[0].clone()
+    with pytest.raises(kd.UnsupportedLayout, match="cannot zero"):
+        kd.scrub_request(broken, torch.arange(1, 9), prefix=0, length=8)
+    assert torch.equal(pool.k_buffer[0].view(torch.uint8), snapshot.view(torch.uint8)), \
+        "nothing is written before the refusal"
+
+
 # --------------------------------------------------------------------------- bindings
 
 

@@ -183,7 +183,6 @@ class _Decode:
         self.buffers = _buffers("decode", enabled=with_row)
         self.queue = DecodeTransferQueue.__new__(DecodeTransferQueue)
         self.queue.metadata_buffers = self.buffers
-        self.queue.scheduler = SimpleNamespace(kv_checksum_computer=self.digester)
         self.kv_manager = CommonKVManager.__new__(CommonKVManager)
         self.sched = SimpleNamespace(
             kv_checksum_computer=self.digester,
@@ -193,6 +192,7 @@ class _Decode:
             output_streamer=SimpleNamespace(stream_output=MagicMock()), tree_cache=object(),
             metrics_reporter=SimpleNamespace(enable_metrics=True),
             metrics_collector=SimpleNamespace(increment_transfer_failed_reqs=MagicMock()))
+        self.queue.scheduler = self.sched
         mixin = SchedulerDisaggregationDecodeMixin
         self.sched._verify_kv_checksums = mixin._verify_kv_checksums.__get__(self.sched)
         self.sched._handle_kv_checksum_mismatch = \
@@ -491,7 +491,15 @@ def test_fake_transfers_are_not_checked_but_a_missing_record_fails():
     from sglang.pdsafe.client_guard import FAKE_BOOTSTRAP_HOST
 
     d = _Decode(_pool(99), 0, host=FAKE_BOOTSTRAP_HOST)  # server warmup: nothing transferred
+    locs = d.sched.req_to_token_pool.req_to_token[POOL_IDX, :TOKENS].to(torch.int64)
+    owned = [t[locs] for t in list(d.pool.k_buffer) + list(d.pool.v_buffer)]
+    assert all(bool(o.any()) for o in owned), "the pages hold an earlier request's bytes"
+    served = metrics.value("fake_transfer_served_total")
     d.commit()
+    # No KV moved: the pages decode reserved are zeroed before the request decodes, so it
+    # never decodes over what an earlier request left there (counted).
+    assert all(not bool(t[locs].any()) for t in list(d.pool.k_buffer) + list(d.pool.v_buffer))
+    assert metrics.value("fake_transfer_served_total") == served + 1
     before = _counts()
     batch, release = d.verify()
     _assert_passed(d, batch, release)

@@ -161,6 +161,9 @@ class Component:
     rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
     storage_ptr: int = field(default=0, repr=False, compare=False)
     device: torch.device = field(default=torch.device("cpu"), repr=False, compare=False)
+    #: ``clear(idx)`` zeroes the rows at ``idx`` (None: this layout has no such write yet).
+    clear: Callable[[torch.Tensor], None] | None = field(default=None, repr=False,
+                                                         compare=False)
 
     def describe(self) -> str:
         shape = "x".join(str(d) for d in self.row_shape) or "scalar"
@@ -245,8 +248,11 @@ def _row_component(name: str, layer: int, space: Space, t: torch.Tensor) -> Comp
             g = src.index_select(0, idx.to(src.device)).contiguous()
             return g.view(torch.uint8).reshape(int(idx.numel()), row_bytes)
 
+    def clear(idx: torch.Tensor) -> None:
+        t.index_fill_(0, idx.to(t.device), 0)
+
     return Component(name, layer, space, dtype, row_shape, row_bytes, slots, gather, rows, ptr,
-                     t.device)
+                     t.device, clear)
 
 
 def _custom_component(name: str, layer: int, space: Space, base: torch.Tensor,
@@ -471,6 +477,36 @@ def prepare(pool: Any) -> Prepared:
     """
     comps = tuple(components(pool))
     return Prepared(pool, comps, layout_signature(pool, comps))
+
+
+# --------------------------------------------------------------------------- scrub
+
+
+def scrub_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, length: int,
+                  state_indices: Sequence[int] | torch.Tensor = ()) -> int:
+    """Zero every row of the request's ``[prefix, length)`` (and its state slots) in every
+    component decode reads: a request whose KV nobody transferred (upstream's fake transfer)
+    then decodes over zeros, never over what an earlier request left in those pages. Returns
+    the number of rows zeroed. A component whose rows it cannot address raises
+    :class:`UnsupportedLayout` before anything is written (the caller refuses the request)."""
+    prepared = pool if isinstance(pool, Prepared) else prepare(pool)
+    prefix, length = int(prefix), int(length)
+    row = torch.as_tensor(req_to_token_row).reshape(-1)
+    idx = {Space.TOKEN: _index_tensor(row[prefix:length]),
+           Space.STATE: _index_tensor(state_indices)}
+    for c in prepared.components:
+        if c.clear is None or c.space not in idx:
+            raise UnsupportedLayout(f"cannot zero {c.describe()} (no row write for this "
+                                    "layout)")
+        n = int(idx[c.space].numel())
+        if n and not (0 <= int(idx[c.space].min()) and int(idx[c.space].max()) < c.slots):
+            raise ValueError(f"{c.describe()}: index out of range [0, {c.slots})")
+    done = 0
+    for c in prepared.components:
+        if idx[c.space].numel():
+            c.clear(idx[c.space])
+            done += int(idx[c.space].numel())
+    return done
 
 
 # --------------------------------------------------------------------------- digest

@@ -268,6 +268,18 @@ class Digester:
         return digest_request(self.prepared, rtp.req_to_token[pool_idx], prefix=prefix,
                               length=length, room=room, generation=generation, **kwargs)
 
+    def scrub(self, scheduler: Any, req: Any, *, prefix: int, length: int) -> int:
+        """Zero ``req``'s ``[prefix, length)`` (and its state slots) in this leg's pool."""
+        rtp = scheduler.req_to_token_pool
+        pool_idx = req.kv.req_pool_idx
+        states: Any = ()
+        if kv_digest.Space.STATE in self.spaces:
+            slots = rtp.req_index_to_mamba_index_mapping[pool_idx]
+            translate = getattr(rtp, "translate_mamba_indices", None)
+            states = translate(slots) if translate is not None else slots
+        return kv_digest.scrub_request(self.prepared, rtp.req_to_token[pool_idx],
+                                       prefix=prefix, length=length, state_indices=states)
+
 
 @hook("kv_integrity.leg_digester", outcome=Outcome.POISON, counter=FAILED,
       on_failure=policy.reraise_at_startup, effect="the scheduler refuses to start")
@@ -357,6 +369,23 @@ class Expected:
     generation: int = 0  # the reservation's transfer generation (transfer_generation)
 
 
+def _scrub_fake_transfer(scheduler: Any, req: Any, rec: transfer.Transfer) -> None:
+    """Upstream's fake transfer (``bootstrap_host`` 2.2.2.2, or no host on the fake backend)
+    moves no KV: decode would decode over whatever its reserved pages held, another
+    request's KV. Zero them first (the positions decode did not take from its own prefix
+    cache), so such a request decodes over zeros: its answer is meaningless, never someone
+    else's. Counted: every request served this way (the server's own warmups and health
+    checks too; a client can send it only through an entry point that bypasses the HTTP
+    layer's client guard, or to a server started on the fake backend under the waiver)."""
+    digester = getattr(scheduler, "kv_checksum_computer", None)
+    if not isinstance(digester, Digester):
+        raise RuntimeError("no KV digester on this decode: the fake transfer's pages cannot "
+                           "be zeroed")
+    prefix, length = _range(rec, req)
+    digester.scrub(scheduler, req, prefix=prefix, length=length)
+    metrics.inc("fake_transfer_served_total")
+
+
 def _range(rec: transfer.Transfer | None, req: Any) -> tuple[int, int]:
     """The token range decode reserved and prefill attested (coverage), else upstream's."""
     res = rec.coverage if rec is not None else None
@@ -366,8 +395,9 @@ def _range(rec: transfer.Transfer | None, req: Any) -> tuple[int, int]:
 
 
 def _capture_failed(failure: policy.Failure) -> None:
-    """The digest row could not be kept: the request is aborted now (500), before it is
-    committed; its pages go back through upstream's failed-commit path."""
+    """The digest row could not be kept (or a fake transfer's pages could not be zeroed):
+    the request is aborted now (500), before it is committed; its pages go back through
+    upstream's failed-commit path."""
     req = failure.args[1].req
     refusal = failure.refusal(500, "the request (decode could not keep prefill's KV digest "
                                    "row)")
@@ -381,7 +411,8 @@ def _capture_failed(failure: policy.Failure) -> None:
       effect="the request is aborted at commit (500), never decoded unchecked")
 def capture(transfer_queue: Any, decode_req: Any, *, fake: bool) -> None:
     """Decode, at commit (``_commit_transfer_to_req``), before the metadata slot is freed:
-    keep prefill's row and the range to check in the transfer's record."""
+    keep prefill's row and the range to check in the transfer's record; a fake transfer's
+    pages are zeroed instead (:func:`_scrub_fake_transfer`)."""
     req = decode_req.req
     receiver = getattr(decode_req, "kv_receiver", None)
     rec = transfer.of(req)
@@ -390,6 +421,8 @@ def capture(transfer_queue: Any, decode_req: Any, *, fake: bool) -> None:
     buf = transfer_queue.metadata_buffers.kv_checksum
     words = (None if buf is None
              else tuple(int(v) for v in buf[decode_req.metadata_buffer_index].tolist()))
+    if fake:
+        _scrub_fake_transfer(transfer_queue.scheduler, req, rec)
     prefix, length = (0, 0) if fake else _range(rec, req)
     rec.digest = Expected(
         words=words, prefix=prefix, length=length, fake=fake,

@@ -224,9 +224,9 @@ COUNTERS: dict[str, str] = {
         "Writer-fence hooks that could not run (a discarded chunk not counted); the chunk was "
         "dropped regardless.",
     "fake_transfer_served_total":
-        "PD requests served by the fake transfer backend under "
-        "SGLANG_PDSAFE_WAIVE_FAKE_TRANSFER=1: decoded over KV pages nobody wrote for them, "
-        "with no coverage check, no digest and no generation (benchmarks only).",
+        "Requests a decode served by a fake transfer (no KV moved: the server's own warmups and "
+        "health checks, or the fake backend under SGLANG_PDSAFE_WAIVE_FAKE_TRANSFER=1): their "
+        "pages were zeroed first, so they decoded over zeros, never another request's KV.",
     "rows_held_for_good_total":
         "Request KV rows (pages and request slot) pdsafe holds for good because evidence that "
         "no writer can touch them can never come (a release hook failed, a backend could not "

@@ -20,7 +20,10 @@ The checks (PD mode only; a co-located server runs none of the PD hooks):
   without a ``bootstrap_host`` would decode over pages nobody wrote for it, with no coverage
   gate, no digest and no generation. Refused (:class:`FakeTransferRefusedError`) unless
   ``SGLANG_PDSAFE_WAIVE_FAKE_TRANSFER=1``; with the waiver the report says which checks are
-  off, and every request served that way is counted (``fake_transfer_served_total``);
+  off. Every request a decode serves by a fake transfer (any backend: the server's own
+  warmups, or the fake backend under the waiver) has its pages zeroed first and is counted
+  (``fake_transfer_served_total``, :mod:`sglang.pdsafe.kv_integrity`): it decodes over zeros,
+  never over another request's KV;
 * settings that must parse (the poison threshold).
 
 **The report** lists, for this server's role only, the protections that are active; a
@@ -39,7 +42,7 @@ import logging
 import os
 from typing import Any
 
-from sglang.pdsafe import hook_api, metrics, policy, protections
+from sglang.pdsafe import hook_api, policy, protections
 from sglang.pdsafe.protections import Protection, is_pd, pd_mode
 from sglang.pdsafe.version import version_string
 
@@ -102,12 +105,13 @@ def check_fake_transfer(server_args: Any) -> None:
             "every request without a bootstrap_host over KV pages nobody wrote for it (another "
             "request's KV), with no coverage check, no KV digest and no transfer generation. "
             "It refuses to start. Use a real transfer backend (mooncake, nixl, mori); for a "
-            f"benchmark without transfers only, set {ENV_WAIVE_FAKE}=1 (its requests are "
-            "counted in sglang:pdsafe_fake_transfer_served_total).")
+            f"benchmark without transfers only, set {ENV_WAIVE_FAKE}=1 (its requests then "
+            "decode over zeroed pages, counted in sglang:pdsafe_fake_transfer_served_total).")
     logger.warning(
         "pdsafe: %s=1: this %s server runs on the fake transfer backend. Requests without a "
-        "bootstrap_host are served over KV pages nobody wrote for them; these checks are OFF "
-        "for them: %s. Never serve tenants this way.", ENV_WAIVE_FAKE,
+        "bootstrap_host move no KV: a decode zeroes their pages and decodes over zeros "
+        "(meaningless answers); these checks are OFF for them: %s. Never serve tenants this "
+        "way.", ENV_WAIVE_FAKE,
         pd_mode(server_args), ", ".join(FAKE_TRANSFER_OFF))
 
 
@@ -168,8 +172,3 @@ def report(server_args: Any) -> dict[str, bool]:
         for name in FAKE_TRANSFER_OFF:
             st[name] = False
     return st
-
-
-def served_by_fake_transfer() -> None:
-    """A PD request was served by the fake transfer backend under the waiver (counted)."""
-    metrics.inc("fake_transfer_served_total")
