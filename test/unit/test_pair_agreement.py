@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import requests
 from pdsafe_testkit.loopback import reserve_port
-from sglang.pdsafe import metrics, pair_agreement, pair_settings
+from sglang.pdsafe import kv_integrity, metrics, pair_agreement, pair_settings  # noqa: F401 - registers kv_digest
 from sglang.pdsafe.pair_agreement import Mismatch, PairSettings, compare
 from sglang.srt.disaggregation.base.conn import KVPoll
 

@@ -109,6 +109,9 @@ _SERVER_INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "pdsafe_server_internal", default=False)
 
 
+@policy.passthrough("client_guard.server_internal",
+                    why="sets a context variable around the server's own warmups; the requests "
+                        "it marks are still checked by check_client_request (a hook)")
 @contextlib.contextmanager
 def server_internal() -> Iterator[None]:
     """Requests generated inside are the server's own (``execute_warmups``)."""

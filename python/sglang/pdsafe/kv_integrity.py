@@ -95,7 +95,15 @@ from typing import Any
 
 import torch
 import xxhash
-from sglang.pdsafe import kv_breaker, kv_digest, metrics, peer_policy, policy, transfer
+from sglang.pdsafe import (
+    kv_breaker,
+    kv_digest,
+    metrics,
+    pair_settings,
+    peer_policy,
+    policy,
+    transfer,
+)
 from sglang.pdsafe.hook_api import require
 from sglang.pdsafe.policy import Outcome, hook
 from sglang.pdsafe.protections import Protection, is_pd, off_by, register, switch_on
@@ -159,6 +167,8 @@ def advertised(args: Any = None) -> str:
         return "off"
     return kv_digest.SCHEME
 
+
+pair_settings.advertise("kv_digest", advertised)
 
 register(Protection(
     name=PROTECTION,

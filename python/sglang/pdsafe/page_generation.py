@@ -194,11 +194,9 @@ class GenerationTable:
         return stamp_free(self, page_ids)
 
     def cleared(self, num_pages: int) -> None:
-        """Upstream's ``clear()`` (also after a resize): every page is free again."""
-        self.epoch += 1
-        if num_pages > self.gens.numel():
-            self._set(torch.zeros(int(num_pages), dtype=torch.int64, device=self.gens.device))
-        self.gens.fill_(self.epoch)
+        """Upstream's ``clear()`` (also after a resize): every page is free again
+        (:func:`stamp_clear`, a hook whose failure breaks the table and poisons)."""
+        return stamp_clear(self, num_pages)
 
     def _without_skipped(self, ids: torch.Tensor) -> torch.Tensor:
         skip = self.skip
@@ -262,6 +260,25 @@ def stamp_free(table: GenerationTable, page_ids: tuple[torch.Tensor, ...]
         else:
             table.gens.index_fill_(0, table._index(ids), table.epoch)
     return page_ids
+
+
+def _clear_failed(failure: policy.Failure) -> None:
+    """A clear whose stamp failed: the table can no longer prove anything (broken: every
+    later check on it refuses) and the server is poisoned; the clear itself is upstream's."""
+    failure.args[0].broken = True
+
+
+@hook("page_generation.cleared", outcome=Outcome.POISON, counter=FAILED,
+      on_failure=_clear_failed,
+      effect="the table is broken (every later transfer checked against it is refused) and "
+             "the server poisoned; upstream's clear goes on")
+def stamp_clear(table: GenerationTable, num_pages: int) -> None:
+    """Stamp every page of ``table`` with a new epoch (upstream's ``clear()``, also after a
+    resize)."""
+    table.epoch += 1
+    if num_pages > table.gens.numel():
+        table._set(torch.zeros(int(num_pages), dtype=torch.int64, device=table.gens.device))
+    table.gens.fill_(table.epoch)
 
 
 # =========================================================================== coverage

@@ -62,7 +62,6 @@ from typing import Any
 
 import requests
 from sglang.pdsafe import (
-    kv_integrity,
     metrics,
     pair_settings,
     peer_notifier,
@@ -240,7 +239,7 @@ def local_settings(scheduler: Any, kv_args: Any) -> PairSettings:
         context_length=int(ctx) if ctx is not None else None,
         chat_template=chat_template_digest(getattr(scheduler, "server_args", None)),
         max_prompt_tokens=int(limit) - 1 if limit is not None else None,
-        kv_digest=kv_integrity.advertised(getattr(scheduler, "server_args", None)),
+        kv_digest=pair_settings.advertised("kv_digest", getattr(scheduler, "server_args", None)),
         incarnation=pair_settings.INCARNATION,
     )
 

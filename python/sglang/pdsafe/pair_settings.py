@@ -25,6 +25,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -73,6 +74,23 @@ class PairSettings:
             return None
         known = {f.name for f in fields(cls)}
         return cls(**{k: data.get(k) for k in known})
+
+
+#: Settings a protection publishes at pairing, by field: ``fn(server_args) -> value`` (the
+#: KV digest registers ``kv_digest``). Both legs compute them the same way.
+ADVERTISED: dict[str, Callable[[Any], str | None]] = {}
+
+
+def advertise(field_name: str, fn: Callable[[Any], str | None]) -> None:
+    """Register how this leg computes the published ``field_name``."""
+    ADVERTISED[field_name] = fn
+
+
+def advertised(field_name: str, server_args: Any) -> str | None:
+    """The value this leg publishes for ``field_name``; a field no protection registered is
+    published as ``"unregistered"`` (a decode compares it like any value: fail closed)."""
+    fn = ADVERTISED.get(field_name)
+    return "unregistered" if fn is None else fn(server_args)
 
 
 @dataclass(frozen=True)

@@ -509,7 +509,7 @@ def finish_message(req: Any) -> str:
     return "refused"
 
 
-@hook("peer_notifier.notify_prefill", outcome=Outcome.REFUSE, counter=FAILED,
+@hook("peer_notifier.notify_prefill", outcome=Outcome.REFUSE, counter=FAILED, internal=True,
       on_failure=returns(False), key=lambda host, port, room, *a, **k: ("room", room),
       effect=UNTOLD)
 def notify_prefill(bootstrap_host: str | None, bootstrap_port: int | None,

@@ -266,7 +266,7 @@ def _answer_decode(kv_mgr: Any, room: int, rec: _Room) -> bool:
     return True
 
 
-@hook("peer_release.prefill_rejected", outcome=Outcome.REFUSE, counter=FAILED,
+@hook("peer_release.prefill_rejected", outcome=Outcome.REFUSE, counter=FAILED, internal=True,
       on_failure=returns(None), key=lambda kv_mgr, room, *a, **k: ("room", room),
       effect="the request stays refused; its decode is not told and frees at its own timeout "
              "(counted)")
@@ -290,7 +290,7 @@ def prefill_rejected(kv_mgr: Any, room: int | None, reason: str, origin: str = O
 DUPLICATE_TTL_S = 10.0
 
 
-@hook("peer_release.duplicate_released", outcome=Outcome.REFUSE, counter=FAILED,
+@hook("peer_release.duplicate_released", outcome=Outcome.REFUSE, counter=FAILED, internal=True,
       on_failure=returns(None), key=lambda kv_mgr, room, *a, **k: ("room", room),
       effect="the refused duplicate's decode leg is not told; it fails at its own timeout "
              "(counted)")

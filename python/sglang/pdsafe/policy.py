@@ -224,6 +224,7 @@ class HookSpec:
     on_failure: Callable[[Failure], Any]
     key: Callable[..., Hashable | None] | None = None
     calls: int = 0  # how often upstream called it in this process (failure-suite evidence)
+    internal: bool = False  # only pdsafe's own modules call it (no patch does)
 
     @property
     def function(self) -> str:
@@ -245,14 +246,16 @@ def answers(*types: type[BaseException]) -> None:
 
 
 def hook(name: str, *, outcome: Outcome, counter: str, on_failure: Callable[[Failure], Any],
-         effect: str, key: Callable[..., Hashable | None] | None = None) -> Callable[[F], F]:
+         effect: str, key: Callable[..., Hashable | None] | None = None,
+         internal: bool = False) -> Callable[[F], F]:
     """Declare a function upstream calls as a hook with its failure ``outcome``.
 
     ``on_failure(failure)`` is what the hook returns when its body raised: it must carry out
     ``outcome`` for the hook's call site (return the refusal the site acts on, fail the room,
     keep the pages). ``key(*args, **kwargs)`` names what a failure is counted once for (a
-    room, a request; None: server-wide). Exceptions in :data:`_ANSWERS` are the hook's
-    answer and pass through.
+    room, a request; None: server-wide). ``internal``: no patch calls it, only pdsafe's own
+    modules (the failure-policy table checks that every other hook has a call site).
+    Exceptions in :data:`_ANSWERS` are the hook's answer and pass through.
     """
     if counter not in metrics.COUNTERS:
         raise KeyError(f"undeclared pdsafe counter {counter!r} for hook {name}")
@@ -262,7 +265,7 @@ def hook(name: str, *, outcome: Outcome, counter: str, on_failure: Callable[[Fai
     def wrap(fn: F) -> F:
         spec = HookSpec(name=name, outcome=outcome, counter=counter, effect=effect,
                         module=fn.__module__, qualname=fn.__qualname__, body=fn,
-                        on_failure=on_failure, key=key)
+                        on_failure=on_failure, key=key, internal=internal)
         HOOKS[name] = spec
 
         @functools.wraps(fn)

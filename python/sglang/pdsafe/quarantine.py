@@ -392,6 +392,8 @@ def _if_any(kv_mgr: Any) -> Quarantine | None:
 # --------------------------------------------------------------------------- scheduler hooks
 
 
+@hook("quarantine.require_deferred_release", outcome=Outcome.POISON, counter=FAILED,
+      on_failure=policy.reraise_at_startup, effect="the decode refuses to start")
 def require_deferred_release(upstream_enabled: bool) -> bool:
     """``DecodeTransferQueue.__init__``: the quarantine is built on upstream's deferred release
     (the ABORT/ABORT_ACK drain protocol). With it on, an operator who turned upstream's off
@@ -494,7 +496,7 @@ def peer_gone(kv_mgr: Any, bootstrap_addr: str) -> None:
                    bootstrap_addr, held)
 
 
-@hook("quarantine.note_incarnation", outcome=Outcome.HOLD, counter=FAILED,
+@hook("quarantine.note_incarnation", outcome=Outcome.HOLD, counter=FAILED, internal=True,
       on_failure=returns(0), key=lambda kv_mgr, addr, incarnation: ("writer", addr),
       effect="the new incarnation is not taken as evidence; the holds stay held")
 def note_incarnation(kv_mgr: Any, bootstrap_addr: str, incarnation: str | None) -> int:

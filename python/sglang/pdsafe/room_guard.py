@@ -320,7 +320,7 @@ def _endpoint_key(endpoint: Any) -> Any:
 def released(endpoint: Any) -> None:
     """A KV sender/receiver dropped its room's state (``clear``) or a prefill sender was
     aborted: the room is free on this server (unless a source lease keeps it: its drained
-    release frees it, :func:`room_freed`)."""
+    release frees it, ``transfer.Leg.release_room``)."""
     room = getattr(endpoint, "bootstrap_room", None)
     kv_mgr = getattr(endpoint, "kv_mgr", None)
     if room is None or kv_mgr is None:
@@ -332,16 +332,19 @@ def released(endpoint: Any) -> None:
     if rec.keeps_room:  # a source lease holds the room until its chunks drained
         return
     lg.close(rec)
-    room_freed(kv_mgr, rec)
+    transfer.room_freed(kv_mgr, rec)
 
 
-def room_freed(kv_mgr: Any, rec: transfer.Transfer) -> None:
+def _answer_refused_duplicates(kv_mgr: Any, rec: transfer.Transfer) -> None:
     """``rec`` no longer holds its room here: a duplicate refused while it did gets its
-    decode leg answered (prefill)."""
+    decode leg answered (prefill). A room-freed listener (``transfer.ROOM_FREED``)."""
     if rec.duplicates_refused and _side(kv_mgr) == "prefill" and rec.room is not None:
         peer_release.duplicate_released(kv_mgr, int(rec.room),
                                         duplicate_peer_reason(int(rec.room)),
                                         int(CONFLICT_STATUS))
+
+
+transfer.ROOM_FREED.append(_answer_refused_duplicates)
 
 
 def duplicate_peer_reason(room: int) -> str:

@@ -88,8 +88,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from sglang.pdsafe import metrics, room_guard, transfer
+from sglang.pdsafe import metrics, transfer
 from sglang.pdsafe.hook_api import require
+from sglang.pdsafe.peer_notifier import is_fake_bootstrap
 from sglang.pdsafe.policy import Outcome, hook, returns
 from sglang.pdsafe.protections import Protection, off_by, register, switch_on
 from sglang.pdsafe.transfer import State, Transfer
@@ -459,7 +460,7 @@ def _pages_of(req: Any, tree_cache: Any) -> int:
 def _keep_room(kv_mgr: Any, rec: Transfer) -> None:
     """Keep the room live on this server while its chunks may sit in the queues (a new
     request of it would restart upstream's per-room accounting and let them through)."""
-    if rec.room is None or room_guard.is_fake_bootstrap(
+    if rec.room is None or is_fake_bootstrap(
             getattr(rec.hold.req, "bootstrap_host", None)):
         return
     prev = transfer.leg(kv_mgr).keep_room(rec)
@@ -579,7 +580,6 @@ def _release(reg: SourceLeases, kv_mgr: Any, rec: Transfer, now: float) -> None:
     finally:
         lg = transfer.leg(kv_mgr)
         if rec.keeps_room:
-            lg.release_room(rec)
-            room_guard.room_freed(kv_mgr, rec)
+            lg.release_room(kv_mgr, rec)  # its listeners answer duplicates refused meanwhile
         lg.unhold(rec)
         lease.req = lease.tree_cache = None

@@ -42,7 +42,7 @@ import logging
 import os
 from typing import Any
 
-from sglang.pdsafe import hook_api, policy, protections
+from sglang.pdsafe import cpu_compat, hook_api, policy, protections
 from sglang.pdsafe.protections import Protection, is_pd, pd_mode
 from sglang.pdsafe.version import version_string
 
@@ -77,6 +77,14 @@ ENV_WAIVE_FAKE = "SGLANG_PDSAFE_WAIVE_FAKE_TRANSFER"
 #: What a PD server served by the fake transfer backend runs without (the report's list).
 FAKE_TRANSFER_OFF = ("coverage-attestation", "kv-digest", "transfer-generation",
                      "page-generation", "decode-page-quarantine", "prefill-source-lease")
+
+
+# cpu_compat runs while sglang itself is being imported (patch 0001), before the policy can
+# be: it is declared from here.
+policy.passthrough("cpu_compat.install",
+                   why="import-time CPU shims (tolerate an absent sgl-kernel, CUDA-only "
+                       "torchvision); a failure raises ImportError and the process does not "
+                       "start")(cpu_compat.install)
 
 
 class FakeTransferRefusedError(RuntimeError):

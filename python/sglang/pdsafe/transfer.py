@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from sglang.pdsafe import metrics
-from sglang.pdsafe.policy import Refusal
+from sglang.pdsafe.policy import Refusal, passthrough
 from sglang.pdsafe.protections import PDModeUnknownError, pd_mode
 
 logger = logging.getLogger("sglang.pdsafe.transfer")
@@ -229,12 +229,13 @@ class Leg:
             rec.keeps_room = True
             return prev
 
-    def release_room(self, rec: Transfer) -> None:
-        """``rec`` stops keeping its room live."""
+    def release_room(self, kv_mgr: Any, rec: Transfer) -> None:
+        """``rec`` stops keeping its room live; the room-freed listeners run."""
         with self.lock:
             rec.keeps_room = False
             if rec.room is not None and self.live.get(rec.room) is rec:
                 del self.live[rec.room]
+        room_freed(kv_mgr, rec)
 
     def hold(self, rec: Transfer) -> None:
         """``rec`` holds pages past its room's release (listed until released)."""
@@ -349,6 +350,17 @@ def record_for(req: Any, kv_mgr: Any = None) -> Transfer:
                                 rid=str(getattr(req, "rid", "?"))))
 
 
+#: Called with (kv_mgr, record) when a record stops holding its room (registered by the
+#: protections that act then: the room guard answers duplicates refused meanwhile).
+ROOM_FREED: list[Callable[[Any, Transfer], None]] = []
+
+
+def room_freed(kv_mgr: Any, rec: Transfer) -> None:
+    """Tell the room-freed listeners that ``rec`` no longer holds its room on ``kv_mgr``."""
+    for listener in ROOM_FREED:
+        listener(kv_mgr, rec)
+
+
 # =========================================================================== held rows
 
 #: Request rows held for good (LEAKED) or awaiting evidence (HELD) outside upstream's own
@@ -370,6 +382,9 @@ def drop_row(key: int) -> None:
     metrics.set_gauge("held_rows", float(len(_held_rows)))
 
 
+@passthrough("transfer.held_rows",
+             why="reads the rows this process holds for upstream's idle memory check; it "
+                 "frees and refuses nothing")
 def held_rows() -> list[Any]:
     """The request rows pdsafe holds in this process (read by upstream's idle memory
     check, so that a deliberate hold is not reported as a leak)."""

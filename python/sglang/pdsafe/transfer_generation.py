@@ -75,18 +75,21 @@ manager holds for it) named different generations (they broke lockstep),
 :func:`prefill_generation` refuses: the digest row is zeroed and decode refuses the transfer,
 counted in ``transfer_generation_split_total``.
 
-State: per decode KV manager, room -> :class:`Live` (written when the metadata goes out,
-dropped when the receiver is cleared, :func:`released`) and room -> the generation its latest
-metadata carried (kept past the release for the ABORT of a failed transfer, which upstream
-sends after clearing the receiver; bounded); per receiver, the generation minted and the one
-sent; per prefill KV manager, (room, endpoint, port) -> generation and the generations it
-replaced (:data:`RETIRED_PER_TARGET`), bounded (:data:`MAX_ROOMS` rooms, oldest dropped: its
-later messages carry no generation and are dropped by the decode, which then fails the
-request at its own timeout; fail closed).
+State: on decode, the reservation's :class:`~sglang.pdsafe.transfer.Transfer` record (the
+room's live record in the KV manager's leg, from its claim to the receiver's clear) carries
+the generation minted, whether it was sent, the metadata slot and whether the metadata went
+out (``metadata_out``); the leg's ``transfer_generation`` table keeps, per room, the
+generation its latest metadata carried (kept past the release for the ABORT of a failed
+transfer, which upstream sends after clearing the receiver; bounded). On prefill, the leg's
+table keeps (room, endpoint, port) -> generation and the generations it replaced
+(:data:`RETIRED_PER_TARGET`), bounded (:data:`MAX_ROOMS` rooms, oldest dropped: its later
+messages carry no generation and are dropped by the decode, which then fails the request at
+its own timeout; fail closed): what decodes sent, not one transfer's state.
 Transitions (decode, per room)::
 
-    (none) --mint--> minted(g) --metadata out--> live(g, slot, sent) | live(0, unsent)
-    minted / live --receiver cleared--> (none)      live --mint (next reservation)--> minted(g')
+    (claimed, RESERVED) --mint--> minted(g) --metadata out (SENT)--> live(g, slot, sent)
+                                                                   | live(0, unsent)
+    minted / live --receiver cleared--> (none)      live --mint (re-sent metadata)--> minted(g')
 
 and prefill: (none) --metadata(room, endpoint, g)--> known(g) --later metadata--> known(g').
 
@@ -592,6 +595,10 @@ def generation_frames(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> list[
     return [] if generation is None else [encode_frame(generation)]
 
 
+@hook("transfer_generation.status_frames", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_frames_failed, key=lambda kv_mgr, room, *a, **k: ("room", room),
+      effect="the room fails on the prefill at once; the untagged message is dropped by "
+             "the decode (which fails at its timeout or through the router's cancel)")
 def status_frames(kv_mgr: Any, room: int, endpoint: Any, port: Any, *,
                   has_reason: bool) -> list[bytes]:
     """:func:`generation_frames` for a KV status message: an empty reason frame goes first
