@@ -1,5 +1,5 @@
 """ABORT and ABORT_ACK carry the transfer generation (``sglang.pdsafe.transfer_generation``,
-patch 0025; issue 9 item 2: "ABORT, ABORT_ACK ... carry the transfer generation").
+patch 0026; issue 9 item 2: "ABORT, ABORT_ACK ... carry the transfer generation").
 
 No servers. The same real pieces as ``test_transfer_generation`` (its decode rank: upstream's
 ``_send_kv_metadata``, the backend's real receiver and decode control loop; its prefill rank:
