@@ -272,3 +272,40 @@ def test_refused_error_carries_one_refusal():
     assert policy.CheckFailedError.of(Refusal(503, "x", FAILED)).error_type == "server_error"
     assert SimpleNamespace(status=r.status, message=r.message) == SimpleNamespace(
         status=409, message="room in use")
+
+
+def test_the_cost_table_charges_outermost_calls_once_and_exports_them():
+    """With timing on, every call of a hook is timed, nested (internal) hooks are charged
+    to their caller only, and the totals reach the exported counters; off, nothing is."""
+    inner_name, outer_name = _name(), _name()
+
+    @hook(inner_name, outcome=Outcome.REFUSE, counter=FAILED, on_failure=returns(None),
+          effect="stand-in inner hook", internal=True)
+    def inner_hook(x: int) -> int:
+        return x + 1
+
+    @hook(outer_name, outcome=Outcome.REFUSE, counter=FAILED, on_failure=returns(None),
+          effect="stand-in outer hook")
+    def outer_hook(x: int) -> int:
+        return inner_hook(x) + inner_hook(x)
+
+    try:
+        policy.reset_cost()
+        outer_hook(1)
+        assert policy.hook_cost()["*"] == (0, 0)  # timing off: nothing charged
+        policy.measure_cost(True)
+        before_calls = metrics.value("hook_calls_total")
+        assert [outer_hook(i) for i in range(3)] == [2, 4, 6]
+        table = policy.hook_cost()
+        assert table[outer_name][0] == 4 and table[inner_name][0] == 8
+        assert table["*"][0] == 3  # the inner calls ran inside the outer ones
+        assert table["*"][1] >= table[outer_name][1] * 3 // 4 > 0
+        assert table[outer_name][1] >= table[inner_name][1]
+        policy.flush_cost()
+        assert metrics.value("hook_calls_total") - before_calls == 3
+        assert metrics.value("hook_seconds_total") > 0
+    finally:
+        policy.measure_cost(False)
+        policy.reset_cost()
+        _drop(inner_name)
+        _drop(outer_name)

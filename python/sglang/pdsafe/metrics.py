@@ -232,6 +232,14 @@ COUNTERS: dict[str, str] = {
         "no writer can touch them can never come (a release hook failed, a backend could not "
         "prove its writes settled); they are never freed before a restart and stay accounted "
         "to the server (gauge held_rows).",
+    # cost (issue 22 item 1): not failures; what the protections' own bookkeeping costs
+    "hook_seconds_total":
+        "Wall time spent inside pdsafe hooks in this process (outermost hook calls only, so "
+        "nested hooks are not counted twice), only with SGLANG_PDSAFE_HOOK_COST=1 (timing "
+        "costs about a microsecond per call); flushed at most once a second. Divide by "
+        "hook_calls_total or by the served requests for the protections' added time.",
+    "hook_calls_total":
+        "Outermost pdsafe hook calls in this process (flushed with hook_seconds_total).",
 }
 GAUGES: dict[str, str] = {
     "poisoned":

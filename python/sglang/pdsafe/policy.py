@@ -225,6 +225,7 @@ class HookSpec:
     key: Callable[..., Hashable | None] | None = None
     calls: int = 0  # how often upstream called it in this process (failure-suite evidence)
     internal: bool = False  # only pdsafe's own modules call it (no patch does)
+    ns: int = 0  # wall time inside it in this process, nested hooks included (cost table)
 
     @property
     def function(self) -> str:
@@ -267,10 +268,13 @@ def hook(name: str, *, outcome: Outcome, counter: str, on_failure: Callable[[Fai
                         module=fn.__module__, qualname=fn.__qualname__, body=fn,
                         on_failure=on_failure, key=key, internal=internal)
         HOOKS[name] = spec
+        outer = not internal  # internal hooks run inside other hooks: charged there
 
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
             spec.calls += 1
+            if _cost_on:
+                return _timed_call(spec, outer, args, kwargs)
             try:
                 return spec.body(*args, **kwargs)
             except UpstreamRaised as up:
@@ -284,6 +288,87 @@ def hook(name: str, *, outcome: Outcome, counter: str, on_failure: Callable[[Fai
         return inner  # type: ignore[return-value]
 
     return wrap
+
+
+def _timed_call(spec: HookSpec, outer: bool, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+    """The hook call of :func:`hook` with its wall time charged to the cost table (only
+    while :func:`measure_cost` is on: timing costs about a microsecond per call)."""
+    t0 = _now_ns()
+    try:
+        return spec.body(*args, **kwargs)
+    except UpstreamRaised as up:
+        raise up.original from None
+    except _ANSWERS:
+        raise
+    except Exception as e:  # noqa: BLE001 - the policy's whole purpose
+        return _failed(spec, e, args, kwargs)
+    finally:
+        dt = _now_ns() - t0
+        spec.ns += dt
+        if outer:
+            total = _cost
+            total[0] += dt
+            total[1] += 1
+            if t0 >= total[2]:
+                flush_cost(t0)
+
+
+#: ``SGLANG_PDSAFE_HOOK_COST=1``: time every hook call (the cost table, hook_seconds_total).
+ENV_HOOK_COST = "SGLANG_PDSAFE_HOOK_COST"
+_cost_on = os.environ.get(ENV_HOOK_COST, "").strip() == "1"
+
+
+def measure_cost(on: bool = True) -> None:
+    """Turn the hook-cost timing on or off in this process (benchmarks; servers read
+    :data:`ENV_HOOK_COST` at start)."""
+    global _cost_on
+    _cost_on = on
+
+
+_now_ns = time.perf_counter_ns
+#: [ns, calls, next flush at] of the outermost hook calls of this process: hooks a patch
+#: calls (an ``internal`` hook runs inside another hook and is charged there). Updated
+#: without a lock (a lost increment under a thread race costs a sample, not correctness):
+#: a lock per call would cost more than most hooks.
+_cost: list[int] = [0, 0, 0]
+_cost_lock = threading.Lock()
+_cost_flushed = (0, 0)  # (ns, calls) already added to the exported counters
+COST_FLUSH_NS = 1_000_000_000
+
+
+def flush_cost(now: int | None = None) -> None:
+    """Export the hook-cost totals not yet exported (``hook_seconds_total``,
+    ``hook_calls_total``); called at most once a second from the hooks (a Prometheus
+    increment per call would cost more than most hooks)."""
+    global _cost_flushed
+    with _cost_lock:
+        _cost[2] = (now if now is not None else _now_ns()) + COST_FLUSH_NS
+        ns, calls = _cost[0], _cost[1]
+        d_ns, d_calls = ns - _cost_flushed[0], calls - _cost_flushed[1]
+        _cost_flushed = (ns, calls)
+    if d_calls:
+        metrics.inc("hook_seconds_total", d_ns / 1e9)
+        metrics.inc("hook_calls_total", d_calls)
+
+
+def hook_cost() -> dict[str, tuple[int, int]]:
+    """``{hook name: (calls, ns)}`` of this process, nested hooks included in their callers'
+    time too, plus ``"*"``: the outermost calls only (what the hooks added in all)."""
+    table = {name: (spec.calls, spec.ns) for name, spec in HOOKS.items() if spec.calls}
+    table["*"] = (_cost[1], _cost[0])
+    return table
+
+
+def reset_cost() -> None:
+    """Zero the cost table (benchmarks, between measured runs)."""
+    global _cost_flushed
+    for spec in HOOKS.values():
+        spec.calls = 0
+        spec.ns = 0
+    with _cost_lock:
+        _cost[0] = _cost[1] = 0
+        _cost_flushed = (0, 0)
 
 
 _lock = threading.Lock()
