@@ -7,6 +7,7 @@ test-only harness distribution in test/testkit, installed editable by the test p
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,16 @@ from pdsafe_testkit.servers import (
 )
 
 MODEL = DEFAULT_MODEL  # PDSAFE_MODEL overrides it (pdsafe_testkit.servers)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM (``timeout``, a CI runner's cancel) stops the run like Ctrl-C does, so the
+    fixtures' finalizers stop every server they started instead of leaving them running."""
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.fixture(scope="session")

@@ -93,6 +93,19 @@ class PortTaken(StartupError):
     """Another process bound one of the server's ports first (retry on fresh ports)."""
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the test process dies (a killed test run,
+    a ``timeout`` that ends a suite, must not leave servers holding ports, memory and CPU
+    on a shared machine). Linux only; elsewhere servers are stopped by the fixtures alone."""
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except OSError:
+        pass
+
+
 @dataclass
 class ManagedProcess:
     """One child process in its own session, with its output in a log file."""
@@ -109,6 +122,10 @@ class ManagedProcess:
         self.proc = subprocess.Popen(
             self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, process_group=0,
+            # The parent-death signal follows the spawning *thread*: only the main thread's
+            # children get it (a benchmark starts stacks from worker threads that exit).
+            preexec_fn=(_die_with_parent
+                        if threading.current_thread() is threading.main_thread() else None),
         )
         log.close()
 
