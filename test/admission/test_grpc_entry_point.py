@@ -94,7 +94,10 @@ def _launch(role: str, log_dir: Path) -> GrpcServer:
         bootstrap = reserve_port()
         argv += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", "mooncake",
                  "--disaggregation-bootstrap-port", str(bootstrap)]
-    proc = ManagedProcess(f"grpc-{role}-{port}", argv, server_env(),
+    # The servicer's planned warm-up pass (every batch size, up to 300 s) only tunes speed:
+    # off. Its first warm-up request (the probe shape the door must admit) still runs.
+    proc = ManagedProcess(f"grpc-{role}-{port}", argv,
+                          server_env({"SMG_SGLANG_SERVICER_WARMUP": "off"}),
                           log_dir / f"grpc-{role}-{port}.log")
     proc.start()
     server = GrpcServer(role, port, sidecar, bootstrap, proc,
