@@ -4,9 +4,9 @@ The offline ``sglang.Engine`` in PD mode, started for real on the CPU in a child
 user's program would): the launcher's startup hook runs (report, self-check), the fake
 transfer backend refuses to start, and a request built in-process (no HTTP request object)
 is checked like any client's: the fake bootstrap host and the ``HEALTH_CHECK`` rid prefix are
-refused. The HTTP server's checks are ``test_client_guard.py``'s; ``--smg-grpc-mode`` and
-``--use-ray`` are named in docs/failure-policy.md (what runs for them and why they are not
-started here).
+refused. The HTTP server's checks are ``test_client_guard.py``'s, ``--smg-grpc-mode``'s are
+``test_grpc_entry_point.py``'s; docs/operator-guide.md ("Entry points") says which checks run at
+each entry point, ``--use-ray`` included, and why that one is not started by the tests.
 """
 
 from __future__ import annotations

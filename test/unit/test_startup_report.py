@@ -1,4 +1,4 @@
-"""The startup checks and the protection report (``sglang.pdsafe.startup``, patch 0027).
+"""The startup checks and the protection report (``sglang.pdsafe.startup``, patch 0028).
 
 * A PD server whose installed upstream lacks a method the pdsafe hooks call refuses to start
   with the list of what is missing; a co-located server does not need the PD hook targets.
@@ -7,7 +7,7 @@
   leans on one switched off is reported as weaker.
 * The fake transfer backend refuses a PD start unless waived; the waiver is reported.
 * Both hooks (launcher and scheduler) run the same checks; the scheduler reports itself only
-  when no launcher ran (``--use-ray``).
+  when no launcher ran (smg gRPC, ``--use-ray`` actors without the launcher's state dir).
 """
 
 from __future__ import annotations
@@ -139,6 +139,21 @@ def test_the_scheduler_reports_only_when_no_launcher_did(monkeypatch, caplog) ->
     with caplog.at_level(logging.INFO, logger="sglang.pdsafe"):
         startup.scheduler_starting(_args("decode"))
     assert "protections active" not in caplog.text
+
+
+def test_a_scheduler_behind_smg_grpc_reports_itself(monkeypatch, caplog) -> None:
+    """The smg gRPC servicer launches its schedulers without Engine._launch_subprocesses: the
+    scheduler logs the report itself, co-located too (a co-located HTTP server's launcher
+    reports, so its scheduler does not)."""
+    monkeypatch.delenv(policy.ENV_STATE_DIR, raising=False)
+    monkeypatch.delenv("SMG_SGLANG_ZMQ_HANDSHAKE", raising=False)
+    for grpc, reported in ((True, True), (False, False)):
+        args = SimpleNamespace(disaggregation_mode="null", disaggregation_transfer_backend="",
+                               smg_grpc_mode=grpc, grpc_mode=False)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="sglang.pdsafe"):
+            startup.scheduler_starting(args)
+        assert ("co-located server protections active" in caplog.text) is reported, grpc
 
 
 def test_a_bad_poison_threshold_refuses_the_start(monkeypatch) -> None:

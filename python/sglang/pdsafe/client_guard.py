@@ -43,9 +43,31 @@ no HTTP request is **not** trusted for that alone.
 The same funnel refuses every generation request of a poisoned server with 503 and the reason
 (:func:`sglang.pdsafe.policy.poison_refusal`), before it reaches any scheduler.
 
+**The scheduler door** (:func:`scheduler_door`, ``Scheduler._handle_generate_request``) covers
+the entry points that reach the scheduler without ``TokenizerManager.generate_request``: the smg
+gRPC servicer (``--smg-grpc-mode``, or the deprecated ``--grpc-mode``; package
+``smg-grpc-servicer``) builds ``TokenizedGenerateReqInput`` itself from the client's
+``GenerateRequest`` (``rid`` = ``request_id``, the bootstrap fields from
+``disaggregated_params``) and sends it to the scheduler over ZMQ, and so do the scheduler ranks
+it runs headless behind SMG (its ZMQ plugin, :data:`SMG_HANDSHAKE_ENV` set). There the door
+refuses (400, the same counters, the same reasons) a request carrying either marker unless it
+has the shape of the probes such a server sends itself (:func:`probe_shaped`: at most
+:data:`PROBE_MAX_PROMPT_TOKENS` prompt tokens, at most :data:`PROBE_MAX_NEW_TOKENS` new tokens,
+``bootstrap_room`` 0 or unset, no embeddings, multimodal input or session): the servicer's
+``HealthCheck`` (rid ``HEALTH_CHECK_<time>``, prompt ``[0]``, one new token, PD: the fake host
+and room 0) and its startup warmup (rid ``WARMUP_<time>``, 7 prompt tokens, 8 new tokens, PD:
+the fake host and room 0). The scheduler cannot tell those from a client's request of the same
+shape, and need not: a decode zeroes the pages of every fake transfer before it decodes
+(:mod:`sglang.pdsafe.kv_integrity`, ``fake_transfer_served_total``), so a probe-shaped request
+reads nobody's KV; the shape bound keeps the fake path a probe (a few tokens), not a way to
+serve traffic without the transfer checks. Behind the HTTP server and the offline Engine the
+door does nothing (the funnel above checked every client request, and the server's own
+warmups there have other shapes).
+
 Invariant: a request that the server did not build itself never reaches the scheduler with the
-fake bootstrap host or a health-check rid, on any entry point; it is refused with 400 and
-counted in ``rejected_spoofed_bootstrap_host_total`` / ``rejected_spoofed_rid_total``.
+fake bootstrap host or a health-check rid, on any entry point, unless it is probe-shaped and
+came through an smg gRPC front end (where it decodes over zeroed pages); it is refused with 400
+and counted in ``rejected_spoofed_bootstrap_host_total`` / ``rejected_spoofed_rid_total``.
 """
 
 from __future__ import annotations
@@ -54,14 +76,17 @@ import contextlib
 import contextvars
 import hmac
 import logging
+import os
 import secrets
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
+from http import HTTPStatus
 from typing import Any
 
 from sglang.pdsafe import metrics, policy
 from sglang.pdsafe.admission import AdmissionError
-from sglang.pdsafe.policy import CheckFailedError, Outcome, hook, raise_refusal
+from sglang.pdsafe.hook_api import require
+from sglang.pdsafe.policy import CheckFailedError, Outcome, Refusal, hook, raise_refusal
 from sglang.pdsafe.protections import EVERY, Protection, register
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
@@ -80,10 +105,15 @@ __all__ = [
     "check_client_request",
     "internal_headers",
     "is_server_built",
+    "probe_shaped",
+    "scheduler_door",
     "server_internal",
+    "tokenizer_manager_in_front",
     "worker_handoff",
 ]
 FAILED = "admission_check_failed_total"
+SPOOFED_HOST = "rejected_spoofed_bootstrap_host_total"
+SPOOFED_RID = "rejected_spoofed_rid_total"
 
 INTERNAL_HEADER = "x-sglang-pdsafe-internal"
 #: Key of the secret in the scheduler info the launcher hands its HTTP worker processes.
@@ -202,7 +232,8 @@ def is_server_built(request: Any) -> bool:
 
 
 @hook("client_guard.check_client_request", outcome=Outcome.REFUSE, counter=FAILED,
-      on_failure=raise_refusal, effect="503 before the request is registered (every entry point)")
+      on_failure=raise_refusal,
+      effect="503 before the request is registered (every TokenizerManager entry point)")
 def check_client_request(obj: Any, request: Any) -> None:
     """Refuse a client request carrying the fake bootstrap host or a health-check rid, and
     every request of a poisoned server (503).
@@ -217,20 +248,128 @@ def check_client_request(obj: Any, request: Any) -> None:
     if is_server_built(request):
         return
     for host in _values(getattr(obj, "bootstrap_host", None)):
-        if host is not None and str(host).strip() == FAKE_BOOTSTRAP_HOST:
-            metrics.inc("rejected_spoofed_bootstrap_host_total")
-            raise SpoofedInternalFieldError(
-                f"bootstrap_host {FAKE_BOOTSTRAP_HOST!r} is reserved for the server's own "
-                f"warmup and health checks (it makes the server skip the KV transfer) and is "
-                f"refused from clients. Send the prefill server's real bootstrap host, or let "
-                f"the PD router fill in the bootstrap fields."
-            )
+        if _is_fake_host(host):
+            metrics.inc(SPOOFED_HOST)
+            raise SpoofedInternalFieldError(_fake_host_reason())
     for rid in _values(getattr(obj, "rid", None)):
-        if isinstance(rid, str) and HEALTH_CHECK_RID_PREFIX in rid:
-            metrics.inc("rejected_spoofed_rid_total")
-            raise SpoofedInternalFieldError(
-                f"request id {rid[:64]!r} contains {HEALTH_CHECK_RID_PREFIX!r}, which is "
-                f"reserved for the server's own health checks and refused from clients. "
-                f"Use a request id without {HEALTH_CHECK_RID_PREFIX!r} (or none: the server "
-                f"assigns one)."
-            )
+        if _is_health_rid(rid):
+            metrics.inc(SPOOFED_RID)
+            raise SpoofedInternalFieldError(_health_rid_reason(rid))
+
+
+def _is_fake_host(host: Any) -> bool:
+    return host is not None and str(host).strip() == FAKE_BOOTSTRAP_HOST
+
+
+def _is_health_rid(rid: Any) -> bool:
+    return isinstance(rid, str) and HEALTH_CHECK_RID_PREFIX in rid
+
+
+def _fake_host_reason() -> str:
+    return (f"bootstrap_host {FAKE_BOOTSTRAP_HOST!r} is reserved for the server's own warmup "
+            f"and health checks (it makes the server skip the KV transfer) and is refused from "
+            f"clients. Send the prefill server's real bootstrap host, or let the PD router fill "
+            f"in the bootstrap fields.")
+
+
+def _health_rid_reason(rid: str) -> str:
+    return (f"request id {rid[:64]!r} contains {HEALTH_CHECK_RID_PREFIX!r}, which is reserved "
+            f"for the server's own health checks and refused from clients. Use a request id "
+            f"without {HEALTH_CHECK_RID_PREFIX!r} (or none: the server assigns one).")
+
+
+# --------------------------------------------------------------------------- scheduler door
+
+#: smg-grpc-servicer sets this (its ``HANDSHAKE_ENV``) for scheduler ranks it runs headless
+#: behind SMG, whose requests then arrive through its ZMQ plugin, not a TokenizerManager.
+SMG_HANDSHAKE_ENV = "SMG_SGLANG_ZMQ_HANDSHAKE"
+#: The probe shape (see module doc): bounds that the smg servicer's own HealthCheck (1 prompt
+#: token, 1 new token) and startup warmup (7 prompt tokens, 8 new tokens) fit in.
+PROBE_MAX_PROMPT_TOKENS = 8
+PROBE_MAX_NEW_TOKENS = 8
+SCHEDULER_DOOR_REASON = ("Only the server's own probes (at most {prompt} prompt tokens, at most "
+                         "{new} new tokens, bootstrap_room 0 or unset) may carry it on this "
+                         "{front} entry point.")
+
+require("sglang.srt.server_args.ServerArgs", "smg_grpc_mode", "grpc_mode",
+        why="client_guard.scheduler_door: which entry points reach the scheduler without the "
+            "TokenizerManager funnel (a renamed flag would leave the door open)")
+require("sglang.srt.runtime_context", "get_parallel()",
+        why="client_guard.scheduler_door: count a refusal once per attention-TP group")
+
+
+def tokenizer_manager_in_front(server_args: Any) -> bool:
+    """Whether every generation request reaches this scheduler through
+    ``TokenizerManager.generate_request`` (HTTP server, offline Engine, native gRPC bridge,
+    ``--use-ray``). False behind the smg gRPC servicer (``--smg-grpc-mode``/``--grpc-mode``)
+    and for ranks run headless behind SMG (:data:`SMG_HANDSHAKE_ENV`). The flags are read
+    as attributes, not with defaults: a renamed flag fails the hook (503), not open."""
+    if server_args.smg_grpc_mode or server_args.grpc_mode:
+        return False
+    return not os.environ.get(SMG_HANDSHAKE_ENV, "").strip()
+
+
+def probe_shaped(recv_req: Any) -> bool:
+    """Whether a ``TokenizedGenerateReqInput`` has the shape of a server probe (module doc):
+    a prompt of 1..:data:`PROBE_MAX_PROMPT_TOKENS` token ids, at most
+    :data:`PROBE_MAX_NEW_TOKENS` new tokens, ``bootstrap_room`` 0 or unset, and no input
+    embeddings, multimodal input or session."""
+    ids = recv_req.input_ids
+    params = recv_req.sampling_params
+    new_tokens = getattr(params, "max_new_tokens", None)
+    return (ids is not None and 1 <= len(ids) <= PROBE_MAX_PROMPT_TOKENS
+            and isinstance(new_tokens, int) and 0 <= new_tokens <= PROBE_MAX_NEW_TOKENS
+            and recv_req.bootstrap_room in (None, 0)
+            and recv_req.input_embeds is None and not recv_req.mm_inputs
+            and recv_req.session_params is None
+            and getattr(recv_req, "session_id", None) is None)
+
+
+def _front(server_args: Any) -> str:
+    return ("smg gRPC (--smg-grpc-mode)" if server_args.smg_grpc_mode or server_args.grpc_mode
+            else "headless SMG (ZMQ)")
+
+
+def _counts_here() -> bool:
+    """Every attention-TP rank of a group sees the same request and refuses it the same way;
+    the first one counts it (every rank, when the rank cannot be read: the verdict never
+    depends on it)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        return int(get_parallel().attn_tp_rank) == 0
+    except Exception:  # noqa: BLE001 - no rank published: over-count rather than not count
+        return True
+
+
+def _door_key(scheduler: Any, recv_req: Any, *_: Any, **__: Any) -> Hashable:
+    return ("rid", str(getattr(recv_req, "rid", "?")))
+
+
+@hook("client_guard.scheduler_door", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=policy.refuse_with(503, "the request (its server-internal fields could not "
+                                         "be checked)"),
+      key=_door_key,
+      effect="503 at the scheduler door (smg gRPC entry points), before the request is queued")
+def scheduler_door(scheduler: Any, recv_req: Any) -> Refusal | None:
+    """``Scheduler._handle_generate_request``, every generation request, once its ``Req`` is
+    built and before it is queued: the :class:`~sglang.pdsafe.policy.Refusal` (400) the
+    caller aborts the request with, or None. Refuses only where no TokenizerManager is in
+    front (:func:`tokenizer_manager_in_front`) and only a request carrying the fake bootstrap
+    host or a health-check rid that is not :func:`probe_shaped`. A pure function of the
+    request and the server's flags, so every rank of a TP group reaches the same verdict."""
+    if tokenizer_manager_in_front(scheduler.server_args):
+        return None
+    if _is_fake_host(recv_req.bootstrap_host):
+        counter, reason = SPOOFED_HOST, _fake_host_reason()
+    elif _is_health_rid(recv_req.rid):
+        counter, reason = SPOOFED_RID, _health_rid_reason(recv_req.rid)
+    else:
+        return None
+    if probe_shaped(recv_req):
+        return None
+    if _counts_here():
+        metrics.inc(counter)
+    return Refusal(int(HTTPStatus.BAD_REQUEST), reason + " " + SCHEDULER_DOOR_REASON.format(
+        prompt=PROBE_MAX_PROMPT_TOKENS, new=PROBE_MAX_NEW_TOKENS,
+        front=_front(scheduler.server_args)), counter)

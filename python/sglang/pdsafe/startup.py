@@ -3,14 +3,16 @@
 Two hooks, so that no entry point starts a PD server without them:
 
 * :func:`launching` runs in the launcher, at the top of ``Engine._launch_subprocesses``, which
-  the HTTP server, the offline ``sglang.Engine`` and the gRPC servers (they build an
-  ``Engine``) all go through before any scheduler exists. It creates the server's state
-  directory (shared with the schedulers it spawns: :mod:`sglang.pdsafe.policy`'s poison),
-  runs the checks and logs the protection report.
+  the HTTP server, the offline ``sglang.Engine`` and ``--use-ray`` (``RayEngine``) go through
+  before any scheduler exists. It creates the server's state directory (shared with the
+  schedulers it spawns: :mod:`sglang.pdsafe.policy`'s poison), runs the checks and logs the
+  protection report.
 * :func:`scheduler_starting` runs in every scheduler process (``Scheduler.__init__``), which
-  every entry point has, ``--use-ray`` included (its schedulers are Ray actors and skip the
-  launcher above). It runs the same checks, and logs the report itself when no launcher did
-  (no state directory in its environment).
+  every entry point has: the smg gRPC servicer (``--smg-grpc-mode``) launches its schedulers
+  itself, without the launcher above, and ``--use-ray``'s schedulers are Ray actors. It runs
+  the same checks, and logs the report itself when no launcher did: a PD scheduler without a
+  state directory in its environment, or any scheduler behind an smg gRPC front end
+  (:func:`sglang.pdsafe.client_guard.tokenizer_manager_in_front`).
 
 The checks (PD mode only; a co-located server runs none of the PD hooks):
 
@@ -140,9 +142,13 @@ def launching(server_args: Any) -> dict[str, bool]:
              effect="the scheduler refuses to start (the server does not come up)")
 def scheduler_starting(server_args: Any) -> None:
     """Scheduler side (``Scheduler.__init__``, every entry point): the same checks; the
-    report too when no launcher ran :func:`launching` (``--use-ray``)."""
+    report too when no launcher ran :func:`launching` (smg gRPC; ``--use-ray`` actors that
+    did not inherit the launcher's state directory)."""
     _checks(server_args)
-    if is_pd(server_args) and policy.state_dir() is None:
+    from sglang.pdsafe import client_guard
+
+    if policy.state_dir() is None and (
+            is_pd(server_args) or not client_guard.tokenizer_manager_in_front(server_args)):
         report(server_args)
 
 
