@@ -58,6 +58,8 @@ ROWS=(
   "transfer-generation-unit|0025 0026|test/unit/test_transfer_generation.py"
   "transfer-generation-e2e|0025 0026|test/pd/test_transfer_generation_e2e.py -k mooncake"
   "abort-generation-unit|0025 0026|test/unit/test_abort_generation.py"
+  "operator-release-unit|0027|test/unit/test_operator_api.py"
+  "operator-release|0027|test/pd/test_late_write.py -k operator"
 )
 
 want=("$@")

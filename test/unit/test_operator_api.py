@@ -165,9 +165,9 @@ def test_the_route_releases_through_the_state_dir_into_the_schedulers_quarantine
     assert not quarantine.ready(kv_mgr, 5, drained=False, now=2.0, deadline=1.0)
     with caplog.at_level(logging.WARNING, logger="sglang.pdsafe.quarantine"):
         r = client.post(operator_api.PATH, json={"writer": WRITER})
-    assert any("operator 10.9.8.7:4242 released" in m.message for m in caplog.records)
     assert r.status_code == 200, r.text
     assert r.json()["released_writer"] == WRITER
+    assert any("operator 10.9.8.7:4242 released" in m.message for m in caplog.records)
     assert quarantine.ready(kv_mgr, 5, drained=False, now=3.0, deadline=1.0)
     released = metrics.value("quarantine_released_operator_total")
     quarantine.released(kv_mgr, 5, drained=False, now=3.0)

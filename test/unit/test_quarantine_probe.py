@@ -122,13 +122,13 @@ def test_released_only_after_the_writer_registers_another_incarnation(boot, capl
     kv_mgr, q = _held(writer)
     with caplog.at_level(logging.WARNING, logger="sglang.pdsafe.quarantine"):
         assert not _poll(lambda: _ready(kv_mgr), 1.5), "released while the same process lives"
-        assert len(state.requests) >= 3, f"probed {len(state.requests)} times in 1.5 s"
+        assert len(state.requests) >= 2, f"probed {len(state.requests)} times in 1.5 s"
         assert all("pdsafe_pair=1" in p and "prefill_dp_rank=-1" in p for p in state.requests)
         alive = [r for r in caplog.records if "same process incarnation inc-1" in r.message]
         assert len(alive) == 1, "the live writer is logged once"
         state.incarnation = "inc-2"  # the prefill restarted on the same address
         incs = metrics.value("quarantine_released_incarnation_total")
-        assert _poll(lambda: _ready(kv_mgr), 3.0), "the new incarnation released nothing"
+        assert _poll(lambda: _ready(kv_mgr), 6.0), "the new incarnation released nothing"
     quarantine.released(kv_mgr, 1, drained=False, now=2.0)
     assert metrics.value("quarantine_released_incarnation_total") == incs + 1
     assert q.tokens_held() == 0
@@ -175,7 +175,7 @@ def test_no_probe_before_the_hold_is_overdue_or_its_writer_declared_gone(boot):
     assert not _poll(lambda: _ready(kv_mgr), 0.4)
     assert state.requests == []
     q.evidence(1, drained=False, now=2e9)  # past upstream's deadline: overdue
-    assert _poll(lambda: not _ready(kv_mgr) and bool(state.requests), 2.0)
+    assert _poll(lambda: not _ready(kv_mgr) and bool(state.requests), 4.0)
 
 
 def test_one_probe_in_flight_per_writer_and_one_pass_per_period(boot, monkeypatch):
@@ -246,7 +246,7 @@ def test_upstreams_resolve_loop_releases_on_the_probes_answer(boot):
     assert not _poll(scheduler_pass, 1.0)
     assert state.requests
     state.incarnation = "inc-2"
-    assert _poll(scheduler_pass, 3.0)
+    assert _poll(scheduler_pass, 6.0)
     assert q.num_pending_deferred_releases() == 0
 
 
