@@ -16,7 +16,8 @@ Invariant: a scenario function only sends requests and reads state; it never cha
 servers' configuration, so a deployment target sees exactly what clients could do. The
 exceptions are harness only (never ``deployment_ok``): the scenarios of the ``late_write`` stack
 run against servers armed with the testkit's test-only ``late_write`` fault,
-``crash-prefill-mid-transfer`` SIGKILLs one of that stack's prefills (``PDTarget.killed``),
+``crash-prefill-mid-transfer`` SIGKILLs one of that stack's prefills (``PDTarget.killed``)
+and starts it again on its ports,
 the corruption family asks the default stack's decode, armed with the test-only ``kv_corrupt``
 fault, to change a request's transferred KV (by its rid), and
 ``abort-after-transfer-before-commit`` asks that decode's ``park_commit`` fault to hold a
@@ -838,21 +839,24 @@ def late_write_past_abort(ctx: Ctx) -> None:
 def crash_prefill_mid_transfer(ctx: Ctx) -> None:
     """The prefill SIGKILLed (its whole process group) while its write of victim V2's KV is
     held in its transfer worker (past the worker's abort check, before the write posts), the
-    CI test's crash scenario (``pdsafe_testkit.late_write.run_crash``); then canary B2 through
-    the surviving prefill, on V2's pages.
+    CI test's crash scenario (``pdsafe_testkit.late_write.run_crash``): a hold window
+    (``HOLD_WINDOW_S``), then the prefill started again on its ports (a new process
+    incarnation), then canary B2 through the surviving prefill, on V2's pages.
 
     Judged: V2's decode answer (expected: an explicit error once the decode's heartbeat,
     1 s x 2 misses here, declares the prefill gone; a hang if none within the bound from the
     kill) and B2 (expected reference-identical; retried while refused). A leak would be B2's
     HTTP 200 answer with V2's tokens (a partial transfer committed, or pages handed over while
-    a writer still writes). Notes: the decode's deferred-release outcome (upstream counter;
-    the fork counts its peer-gone release there as ``timeout``), the fork's peer-gone releases,
-    the seconds from the kill. The killed prefill is not reported as a crash; the decode or the
-    surviving prefill dying is. Upstream is not known unsafe here: a SIGKILLed writer writes
-    nothing late, so stock is expected reference-identical too. Does not cover a prefill alive
-    but unreachable (the unsafe case for a timeout release), a kill during the byte transfer
-    itself, or a prefill restart. Runs last on its stack (the stack is restarted before any
-    later scenario).
+    a writer still writes). Notes: when V2's pages were released (upstream's deferred-release
+    counter; the fork counts its incarnation release there as ``timeout``) relative to the
+    restart (stock: on its timeout, before any evidence; the fork: only after the restarted
+    prefill's new incarnation was seen), the fork's quarantine counters over the hold window
+    (the heartbeat's alarm, the probe's misses, releases: none expected), the seconds from the
+    kill. The killed prefill is not reported as a crash; the decode or the surviving prefill
+    dying is. Upstream is not known unsafe here: a SIGKILLed writer writes nothing late, so
+    stock is expected reference-identical too. Does not cover a prefill alive but unreachable
+    (the unsafe case for a timeout release), a kill during the byte transfer itself, or an
+    operator's release (the CI test does). Runs last on its stack.
     """
     from pdsafe_testkit import late_write as lw
 
@@ -866,7 +870,8 @@ def crash_prefill_mid_transfer(ctx: Ctx) -> None:
     ctx.target.killed.add("prefill-held")  # before the kill: a failure after it is no crash
     t0 = time.monotonic()
     obs = lw.run_crash(trio, v_ids, b_ids, expected=ctx.ref.expected, v2_room=v_room,
-                       b2_room=b_room, release_metric=lw.DEFERRED_RELEASE_METRIC,
+                       b2_room=b_room, evidence=lw.restart_prefill,
+                       release_metric=lw.DEFERRED_RELEASE_METRIC,
                        release_bound_s=ctx.knobs.bound_s,
                        v_timeout_s=max(ctx.knobs.bound_s, 60.0) + 60,
                        b_timeout_s=ctx.knobs.bound_s)
@@ -880,16 +885,22 @@ def crash_prefill_mid_transfer(ctx: Ctx) -> None:
                                   att.prefill))
     ctx.on_request(len(jobs))
     ctx.judge_phase("crash", jobs, before=before, wall_s=wall, prefill_urls=survivor)
+
+    def secs(x: float | None) -> str:
+        return "never within the bound" if x is None else f"{x:.2f}s"
+
     ctx.notes.append(
         f"prefill-held SIGKILLed while holding V2's write; V2's decode answered "
-        f"{obs.v2_answer_s if obs.v2_answer_s is None else round(obs.v2_answer_s, 2)}s after "
-        f"the kill (HTTP {obs.v2_decode_status}: {obs.v2_decode_error[:160]!r}); V2's pages "
-        f"released (upstream deferred-release counter moved) "
-        f"{'never within the bound' if obs.release_s is None else f'{obs.release_s:.2f}s'} "
-        f"after the kill, by outcome {obs.release_deltas}; fork peer-gone releases "
-        f"{obs.peer_gone_delta:g}; B2 refused {len(obs.b2_refusals)} times "
-        f"{obs.b2_refusals[:1]}; decode alive {obs.decode_alive}, surviving prefill alive "
-        f"{obs.other_prefill_alive}")
+        f"{secs(obs.v2_answer_s)} after the kill (HTTP {obs.v2_decode_status}: "
+        f"{obs.v2_decode_error[:160]!r}); prefill-held restarted on its ports "
+        f"{secs(obs.evidence_s)} after the kill ({obs.evidence_detail}); V2's pages released "
+        f"(upstream deferred-release counter moved) {secs(obs.release_s)} after the kill"
+        f"{' (before the restart)' if obs.released_before_evidence else ''}, by outcome "
+        f"{obs.release_deltas}; fork quarantine counters over the hold window "
+        f"{ {k: v for k, v in obs.hold_deltas.items() if v} }, after the restart "
+        f"{ {k: v for k, v in obs.evidence_deltas.items() if v} }; B2 refused "
+        f"{len(obs.b2_refusals)} times {obs.b2_refusals[:1]}; decode alive "
+        f"{obs.decode_alive}, surviving prefill alive {obs.other_prefill_alive}")
 
 
 # ----------------------------------------------------------------------------- aborts

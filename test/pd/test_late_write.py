@@ -51,6 +51,15 @@ each write's decode pages), and the order of B's transfer, the late write and B'
 * ``fork`` (the installed package): B must be served, reference-identical (explicit refusals
   before that are allowed and recorded).
 
+The crash scenarios (same fork stack, after the late write; ``run_crash``): the prefill
+``held`` is SIGKILLed while it holds V2's write. V2's decode client must get an explicit error
+at once; V2's pages must stay quarantined through a hold window (the heartbeat declared the
+prefill gone: an alarm only; the decode's incarnation probe gets no answer: counted) and be
+released only by evidence that the writer cannot write: ``held`` started again on the same
+ports (a new process incarnation the probe sees), or, in the second scenario, where ``held``
+stays dead, the operator's ``POST /pdsafe/quarantine/release`` naming it. Canary B2 through
+``other`` must then be reference-identical.
+
 What this does not prove: prefill-side source pages freed early, the aux/metadata slot the late
 write's ``send_aux`` also hits, the staging ring, late writes after a prefill crash, or a
 quarantine below the fork's admission limit (V here holds 85% of the pool, so the fork refuses
@@ -76,16 +85,21 @@ from pdsafe_testkit.backends import BACKENDS, ci_backends
 from pdsafe_testkit.late_write import (
     B_LEN,
     CRASH_BOUND_S,
-    PEER_GONE_METRIC,
+    INCARNATION_METRIC,
+    OPERATOR_METRIC,
     V_LEN,
     CrashObservation,
+    Evidence,
     Observation,
     Trio,
     design_problems,
     late_write_stack,
+    operator_release,
     random_rooms,
+    restart_prefill,
     run_crash,
     run_late_write,
+    writer_address,
 )
 from pdsafe_testkit.oracle import Oracle, random_prompt
 
@@ -181,8 +195,8 @@ def test_late_write_base_corrupts_reused_pages(backend: str, log_dir: Path, mode
 
 @pytest.fixture(scope="module", params=LATE_WRITE_BACKENDS)
 def fork_trio(request, log_dir: Path, model_path: Path) -> Iterator[Trio]:
-    """One fork stack per backend for the late-write and the crash scenario (in that order:
-    the crash scenario kills one of its prefills)."""
+    """One fork stack per backend for the late-write and the two crash scenarios (in that
+    order: the first crash restarts the prefill it killed, the second leaves it dead)."""
     with late_write_stack(request.param, log_dir, model_path, {}) as trio:
         _assert_versions(trio, stock=False)
         yield trio
@@ -219,33 +233,78 @@ def test_late_write_fork_keeps_reused_pages_clean(fork_trio: Trio, model_path: P
     assert obs.health_after.startswith("200"), t
 
 
-def run_crash_scenario(trio: Trio, oracle: Oracle, model_path: Path,
-                       seed: int) -> CrashObservation:
-    """V2 held in the prefill's transfer worker, that prefill SIGKILLed, B2 through the other
-    (``pdsafe_testkit.late_write.run_crash``; the release awaited is the fork's peer-gone one)."""
+def run_crash_scenario(trio: Trio, oracle: Oracle, model_path: Path, seed: int,
+                       evidence: Evidence, release_metric: str) -> CrashObservation:
+    """V2 held in the prefill's transfer worker, that prefill SIGKILLed, the hold window, the
+    ``evidence``, B2 through the other (``pdsafe_testkit.late_write.run_crash``)."""
     v2_ids, b2_ids, v2_room, b2_room = _inputs(seed, model_path)
-    return run_crash(trio, v2_ids, b2_ids, expected=oracle.expected, v2_room=v2_room,
-                     b2_room=b2_room, release_metric=PEER_GONE_METRIC)
+    obs = run_crash(trio, v2_ids, b2_ids, expected=oracle.expected, v2_room=v2_room,
+                    b2_room=b2_room, evidence=evidence, release_metric=release_metric)
+    return obs
 
 
-def test_crashed_prefill_pages_stay_quarantined_until_it_is_gone(
-        fork_trio: Trio, log_dir: Path, model_path: Path, oracle: Oracle) -> None:
-    """The fork, prefill SIGKILLed while its write into V2's decode pages is held: V2's client
-    gets an error within the bound; the pages are released only once the decode's heartbeat
-    declared that prefill gone (counted as peer-gone evidence, never by a timeout); a request
-    through the surviving prefill is then reference-identical and both survivors are up.
-
-    Does not show that a prefill alive but unreachable is handled (the heartbeat takes it for
-    gone; see ``sglang.pdsafe.quarantine``).
-    """
-    obs = run_crash_scenario(fork_trio, oracle, model_path, seed=90093)
-    out = log_dir / f"late-write-crash-{fork_trio.backend}.json"
+def _assert_held_until_the_evidence(obs: CrashObservation, log_dir: Path, backend: str) -> str:
+    """What both crash tests share: V2's client told at once, the pages held through the hold
+    window (the heartbeat's alarm, the probe's misses, no release of any kind), released only
+    after the evidence, B2 reference-identical, both survivors up. Returns the record."""
+    out = log_dir / f"late-write-crash-{obs.evidence}-{backend}.json"
     out.write_text(json.dumps(obs.to_json(), indent=1))
     t = json.dumps(obs.to_json())
     assert obs.v2_decode_status != 200 and obs.v2_decode_error, (
         f"V2's decode client was not told about the crash: {t}")
     assert obs.v2_answer_s is not None and obs.v2_answer_s <= CRASH_BOUND_S, t
-    assert obs.release_metric == PEER_GONE_METRIC and obs.release_s is not None, (
-        f"the decode never released V2's pages on the prefill's death: {t}")
+    held = obs.hold_deltas
+    assert held["quarantine_peer_gone_alarm_total"] >= 1, f"no heartbeat alarm: {t}"
+    assert held["quarantine_probe_failed_total"] >= 1, (
+        f"the probe never asked the dead prefill: {t}")
+    released = {m: v for m, v in held.items() if m.startswith("quarantine_released_") and v}
+    assert not released and not obs.released_before_evidence, (
+        f"V2's pages were released before any evidence that the writer is gone: {t}")
+    assert obs.quarantined_before_evidence >= 1, f"V2's pages were not quarantined: {t}"
+    assert obs.release_s is not None and obs.evidence_s is not None, (
+        f"the decode never released V2's pages after the evidence ({obs.evidence}): {t}")
     assert obs.b2_status == 200 and obs.b2_identical, f"B2 was not served correctly: {t}"
     assert obs.decode_alive and obs.other_prefill_alive, t
+    return t
+
+
+def test_crashed_prefill_pages_stay_held_until_it_restarts(
+        fork_trio: Trio, log_dir: Path, model_path: Path, oracle: Oracle) -> None:
+    """The fork, prefill SIGKILLed while its write into V2's decode pages is held: V2's client
+    gets an error at once; the pages stay quarantined although the heartbeat declared the
+    prefill gone (an alarm only) and the decode's incarnation probe finds nobody; the prefill
+    is started again on the same ports (a new process, a new incarnation), the probe sees it
+    and the decode releases the pages (counted as incarnation evidence, nothing else); a
+    request through the surviving prefill is then reference-identical and the survivors are
+    up. The restarted prefill serves the next test.
+
+    Does not show a prefill alive but partitioned (missed heartbeats then; the same hold
+    applies, it is not exercised here), nor a restart that keeps its process (a same-
+    incarnation answer keeps the pages held: ``test/unit/test_quarantine_probe.py``).
+    """
+    obs = run_crash_scenario(fork_trio, oracle, model_path, 90093, restart_prefill,
+                             INCARNATION_METRIC)
+    t = _assert_held_until_the_evidence(obs, log_dir, fork_trio.backend)
+    assert obs.evidence_deltas["quarantine_released_incarnation_total"] >= 1, t
+    assert obs.evidence_deltas["quarantine_released_operator_total"] == 0, t
+    assert fork_trio.held.process.alive(), t
+
+
+def test_crashed_prefill_not_restarted_pages_released_by_operator(
+        fork_trio: Trio, log_dir: Path, model_path: Path, oracle: Oracle) -> None:
+    """The fork, prefill SIGKILLed mid-transfer and NOT restarted: the pages stay quarantined
+    past the heartbeat's verdict and the probe's misses, until the operator's ``POST
+    /pdsafe/quarantine/release`` names that prefill (patch 0028: counted, logged); then they
+    are released (operator evidence), and B2 through the surviving prefill is
+    reference-identical. Runs last on its stack (its held prefill stays dead).
+
+    Does not show what the operator asserts (that the writer cannot write): that is theirs.
+    """
+    obs = run_crash_scenario(fork_trio, oracle, model_path, 90094, operator_release,
+                             OPERATOR_METRIC)
+    t = _assert_held_until_the_evidence(obs, log_dir, fork_trio.backend)
+    assert obs.evidence_deltas["quarantine_operator_release_total"] == 1, t
+    assert obs.evidence_deltas["quarantine_released_operator_total"] >= 1, t
+    assert obs.evidence_deltas["quarantine_released_incarnation_total"] == 0, t
+    log = fork_trio.decode.process.log_text()
+    assert f"released the quarantined pages of {writer_address(fork_trio.held)}" in log, t

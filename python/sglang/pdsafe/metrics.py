@@ -86,6 +86,10 @@ COUNTERS: dict[str, str] = {
     "quarantine_operator_release_total":
         "Operator releases of quarantined pages requested through POST "
         "/pdsafe/quarantine/release (each logged with the writer named).",
+    "quarantine_probe_failed_total":
+        "Incarnation probes of a quarantined prefill writer's bootstrap server that got no "
+        "answer (refused, timed out, not registered yet, garbage); its pages stay held and it "
+        "is asked again after SGLANG_PDSAFE_QUARANTINE_PROBE_S.",
     "quarantine_overdue_total":
         "Quarantined decode transfers past upstream's release timeout with neither a drain ACK "
         "nor a new incarnation of their prefill (alarm; the pages stay held, upstream would "

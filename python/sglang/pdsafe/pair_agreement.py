@@ -329,8 +329,7 @@ def _fetch_info(bootstrap_addr: str) -> dict[str, Any] | None:
     """The prefill's ``GET /route`` answer (what upstream fetched before its check raised);
     None while it does not answer (not up yet: asked again next round)."""
     try:
-        r = requests.get(f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
-                         f"&target_tp_rank=-1&target_pp_rank=-1&pdsafe_pair=1", timeout=2)
+        r = requests.get(pair_settings.route_url(bootstrap_addr), timeout=2)
         return r.json() if r.status_code == 200 else None
     except (requests.RequestException, ValueError):
         return None  # the refusal then quotes upstream's own message

@@ -22,11 +22,12 @@ last time this decode fetched its settings, bounded (:data:`MAX_PREFILLS`, oldes
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from sglang.pdsafe import transfer
@@ -93,12 +94,25 @@ def advertised(field_name: str, server_args: Any) -> str | None:
     return "unregistered" if fn is None else fn(server_args)
 
 
+#: Orders every observation of a prefill's incarnation in this process (pairing fetches and
+#: the quarantine's probe): a later observation has a larger number.
+_observations = itertools.count(1)
+
+
+def observation() -> int:
+    """The order number of an observation made now (larger: later)."""
+    return next(_observations)
+
+
 @dataclass(frozen=True)
 class Published:
-    """What one prefill published when this decode last fetched its settings."""
+    """What one prefill published when this decode last fetched its settings, and the order
+    of that fetch among all observations (``seen``: the quarantine compares it with its
+    probe's answers, so that an older observation never overrides a newer one)."""
 
     wire_version: str | None
     incarnation: str | None
+    seen: int = field(default_factory=observation, compare=False)
 
 
 class _Table:
@@ -113,12 +127,30 @@ def _table(kv_mgr: Any) -> _Table:
 
 def incarnation_seen(leg: transfer.Leg, bootstrap_addr: str) -> str | None:
     """:func:`prefill_incarnation` for a leg in hand (the quarantine's evidence)."""
+    p = published_seen(leg, bootstrap_addr)
+    return None if p is None else p.incarnation
+
+
+def published_seen(leg: transfer.Leg, bootstrap_addr: str) -> Published | None:
+    """What the prefill at ``bootstrap_addr`` published at this leg's last pairing with it,
+    with the time it was fetched (None: never fetched)."""
     t = leg.tables().get("pair_settings")
     if t is None:
         return None
     with t.lock:
-        p = t.prefills.get(bootstrap_addr)
-    return None if p is None else p.incarnation
+        return t.prefills.get(bootstrap_addr)
+
+
+#: The bootstrap server's ``GET /route`` query that answers a prefill's whole topology and,
+#: to a decode that asks (``pdsafe_pair=1``), its pair settings (``pair_agreement``, and the
+#: quarantine's incarnation probe).
+ROUTE_QUERY = ("route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1"
+               "&target_pp_rank=-1&pdsafe_pair=1")
+
+
+def route_url(bootstrap_addr: str) -> str:
+    """The URL a decode fetches the pair settings of the prefill at ``bootstrap_addr`` from."""
+    return f"http://{bootstrap_addr}/{ROUTE_QUERY}"
 
 
 def remember(kv_mgr: Any, bootstrap_addr: str, settings: PairSettings | None) -> Published:

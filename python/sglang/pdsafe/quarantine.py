@@ -26,16 +26,35 @@ deadline never releases anything: past it the hold is marked overdue (alarm logg
   records the incarnation it registered with when it sends a transfer's destinations, and
   only that process ever received them (a process that took over the address later has not
   received this decode's registration, so it cannot write its pages). When the decode sees
-  that address registered with *another* incarnation (its pairing step, or the probe a
-  declared-gone or overdue writer gets, :func:`note_incarnation`), the old process has exited
-  and can no longer post a write.
+  that address registered with *another* incarnation, the old process has exited and can no
+  longer post a write. It sees it at its pairing step (a request names the prefill again;
+  ``pair_settings``) or through the **incarnation probe** (:mod:`quarantine_probe`): while a
+  writer's holds are overdue or the heartbeat declared it gone, a daemon thread asks its
+  bootstrap server every ``SGLANG_PDSAFE_QUARANTINE_PROBE_S`` seconds (default 5) which
+  incarnation is registered there (:meth:`Quarantine.note_incarnation`), started from
+  :func:`ready` at most once a second per KV manager. The newer of the two observations
+  counts (an older one never overrides a newer one). An answer with the *same* incarnation
+  means the writer is alive: its pages stay held (logged once); no answer is counted
+  (``quarantine_probe_failed_total``) and keeps them held. A stock prefill publishes no
+  incarnation: its holds end only on an ACK or an operator.
 * *Operator*: an operator released the writer's holds explicitly (``POST
-  /pdsafe/quarantine/release`` on the decode, counted and logged; the operator asserts that
-  the writer is gone, e.g. after fencing its host).
+  /pdsafe/quarantine/release`` on the decode, :mod:`operator_api`, patch 0028, counted and
+  logged; the operator asserts that the writer is gone, e.g. after fencing its host). It
+  covers the holds whose destinations went out before the release.
 
 Missed heartbeats are **not** evidence: a partitioned prefill that is alive can still post a
 write after its heartbeat stopped. Upstream's heartbeat verdict (``_handle_node_failure``) only
 raises an alarm here (``quarantine_peer_gone_alarm_total``) and starts the incarnation probe.
+
+**Backend teardown is no evidence either, and 0.5.23 offers none.** Mooncake (TCP): the decode
+is the passive target of the prefill's one-sided writes; its ``TransferEngine`` binding
+exposes transfers, notifications and ``send_probe`` (an initiator's reachability check), no
+callback or state for a peer's session going away. NIXL/UCX: the decode never adds the prefill
+as a remote agent (only the prefill adds the decode's metadata; the decode's control messages
+arrive over ZMQ), so it has no NIXL peer whose invalidation it could observe; NIXL's
+remote-disconnect handling is on the initiator side. Either way a torn-down connection would
+prove no more than a missed heartbeat: the process behind it may still be alive and connect
+again. So the backends contribute nothing here; the process incarnation is the proof.
 
 **Quarantine limit.** When the tokens held *past upstream's deadline* (pages upstream would
 have freed) exceed ``SGLANG_PDSAFE_QUARANTINE_LIMIT`` (a fraction of the decode's KV pool,
@@ -47,8 +66,9 @@ releases enough pages.
 **Metrics**: ``quarantined_tokens`` and ``quarantined_transfers`` (gauges),
 ``quarantine_age_seconds`` (histogram, at release), releases by evidence
 (``quarantine_released_ack_total``, ``quarantine_released_incarnation_total``,
-``quarantine_released_operator_total``), ``quarantine_overdue_total`` and
-``quarantine_peer_gone_alarm_total`` (alarms), ``quarantine_limit_refused_total``,
+``quarantine_released_operator_total``), ``quarantine_overdue_total``,
+``quarantine_peer_gone_alarm_total`` and ``quarantine_probe_failed_total`` (alarms),
+``quarantine_operator_release_total`` (operator calls), ``quarantine_limit_refused_total``,
 ``quarantine_failed_total`` (a hook failed; the hold is kept).
 
 Failure policy: every hook of this module that can end a hold fails closed by holding (its
@@ -70,7 +90,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang.pdsafe import metrics, pair_settings, peer_notifier, policy, transfer
+from sglang.pdsafe import (
+    metrics,
+    pair_settings,
+    peer_notifier,
+    policy,
+    quarantine_probe,
+    transfer,
+)
 from sglang.pdsafe.kv_breaker import refusal_message as breaker_refusal
 from sglang.pdsafe.policy import Outcome, Refusal, hook, refuse_with, returns
 from sglang.pdsafe.protections import Protection, off_by, register, switch_on
@@ -156,7 +183,8 @@ class Hold:
 class _Writer:
     """What the decode knows about one prefill writer (bootstrap address)."""
 
-    incarnation: str | None = None  # the incarnation it is registered with now
+    incarnation: str | None = None  # the incarnation it was registered with at the probe
+    incarnation_seen: int = 0  # the observation's order (``pair_settings.observation``)
     gone_at: float | None = None  # wall clock: upstream's heartbeat declared it gone
     released_by_operator: float | None = None  # wall clock of an operator's release
 
@@ -204,12 +232,19 @@ class Quarantine:
         return rec
 
     def _incarnation_now(self, writer: str, w: _Writer | None) -> str | None:
-        """The incarnation registered at ``writer`` now: as the decode's pairing last saw it
-        (``pair_settings``), else as the probe saw it."""
+        """The incarnation registered at ``writer`` now: the newer of what the decode's
+        pairing last fetched (``pair_settings``) and what the probe last saw (an older
+        answer never overrides a newer one: a stale incarnation is no evidence)."""
         seen = None
         if self.leg is not None and writer:
-            seen = pair_settings.incarnation_seen(self.leg, writer)
-        return seen or (w.incarnation if w is not None else None)
+            seen = pair_settings.published_seen(self.leg, writer)
+        probed = (w.incarnation, w.incarnation_seen) if w is not None and w.incarnation \
+            else None
+        if seen is None:
+            return probed[0] if probed else None
+        if probed is not None and probed[1] > seen.seen:
+            return probed[0]
+        return seen.incarnation
 
     def _writer(self, writer: str) -> _Writer:
         w = self._writers.get(writer)
@@ -230,7 +265,9 @@ class Quarantine:
         if not incarnation:
             return 0
         with self._lock:
-            self._writer(str(writer)).incarnation = str(incarnation)
+            w = self._writer(str(writer))
+            w.incarnation = str(incarnation)
+            w.incarnation_seen = pair_settings.observation()
             return sum(1 for r in self._held.values()
                        if r.hold.writer == writer and r.hold.incarnation
                        and r.hold.incarnation != incarnation)
@@ -338,6 +375,13 @@ class Quarantine:
                            and (r.hold.overdue or (self._writers.get(r.hold.writer)
                                                    and self._writers[r.hold.writer].gone_at))})
 
+    def hold_incarnations(self, writer: str) -> set[str]:
+        """The incarnations ``writer``'s holds sent their destinations to (known ones only:
+        a hold of unknown incarnation is released by no probe answer)."""
+        with self._lock:
+            return {r.hold.incarnation for r in self._held.values()
+                    if r.hold.writer == writer and r.hold.incarnation}
+
     def tokens_overdue(self) -> int:
         """Tokens of the holds past upstream's deadline (the ones upstream would have freed)."""
         with self._lock:
@@ -399,6 +443,8 @@ def require_deferred_release(upstream_enabled: bool) -> bool:
     (the ABORT/ABORT_ACK drain protocol). With it on, an operator who turned upstream's off
     gets a startup error (decode would free pages at once on failure) instead of silently
     unprotected pages. Returns the value upstream keeps."""
+    if enabled():
+        quarantine_probe.interval()  # a malformed probe interval refuses the start
     if upstream_enabled or not enabled():
         if not enabled():
             logger.warning("pdsafe: %s=0: the decode page quarantine is OFF; pages of aborted "
@@ -449,12 +495,25 @@ def ready(kv_mgr: Any, key: Any, *, drained: bool, now: float, deadline: float) 
     if not q.is_held(key):  # held before the hook could record it: hold it on ACK only
         return bool(drained)
     _read_operator_releases(q)
+    probe(q)
     found = q.evidence(key, drained=drained, now=now)
     if found is None:
         return False
     rec = next(r for r in q.entries() if r.hold.key == key)
     rec.hold.ready_evidence = found
     return True
+
+
+@hook("quarantine.probe", outcome=Outcome.HOLD, counter=FAILED, on_failure=returns(None),
+      key=lambda q: ("probe", id(q)),
+      effect="no incarnation probe this pass; the holds stay held until an ACK, an operator "
+             "or a later probe's answer (the pass still applies the evidence it has)")
+def probe(q: Quarantine) -> None:
+    """From :func:`ready`: start the incarnation probes that are due (:mod:`quarantine_probe`:
+    at most one pass per second per manager; the requests run on daemon threads). A failure
+    never blocks the pass's other evidence (the drain ACK, an operator's release)."""
+    if q.leg is not None:
+        quarantine_probe.of(q.leg).tick(q)
 
 
 @hook("quarantine.released", outcome=Outcome.HOLD, counter=FAILED,

@@ -65,6 +65,7 @@ HOOK_MODULES: tuple[str, ...] = (
     "sglang.pdsafe.pair_agreement",
     "sglang.pdsafe.room_guard",
     "sglang.pdsafe.quarantine",
+    "sglang.pdsafe.operator_api",
     "sglang.pdsafe.write_fence",
     "sglang.pdsafe.peer_policy",
     "sglang.pdsafe.peer_capability",

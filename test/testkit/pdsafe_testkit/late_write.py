@@ -48,8 +48,13 @@ the fault only logs where the writes go). Prefills run one chunk per prompt.
    evidence and /health.
 
 ``run_crash``: victim V2 held in its prefill's transfer worker, that prefill SIGKILLed (its whole
-process group, no cleanup), then B2 through the surviving prefill once the decode released V2's
-pages (a given decode counter moved) or the bound passed.
+process group, no cleanup); V2's decode client answered; a hold window in which the decode's
+counters are watched (on the fork the heartbeat only alarms and the incarnation probe finds
+nobody, so nothing may release V2's pages); then the evidence (``restart_prefill``: the prefill
+started again on its ports, a new process incarnation the decode's probe sees;
+``operator_release``: ``POST /pdsafe/quarantine/release`` naming it); then B2 through the
+surviving prefill once the decode released V2's pages (a given decode counter moved) or the
+bound passed.
 
 Why two prefills: Mooncake and NIXL prefills shard chunks to worker queues by the decode's
 session ports, so every request from one prefill to one decode shares one worker thread; B's
@@ -92,6 +97,7 @@ from pdsafe_testkit.servers import (
     SGLangServer,
     generate,
     launch_server,
+    restart_server,
     wait_server,
 )
 
@@ -127,12 +133,23 @@ CRASH_BOUND_S = 60.0
 #: sglang-pdsafe's quarantine counters (decode; without the ``sglang:pdsafe_`` prefix).
 QUARANTINE_METRICS = ("quarantine_overdue_total", "quarantine_released_ack_total",
                       "quarantine_limit_refused_total")
-#: The fork's counter of quarantined pages released because the heartbeat declared the writer
-#: gone (absent, so 0, on stock).
-PEER_GONE_METRIC = "sglang:pdsafe_quarantine_released_peer_gone_total"
+#: The fork's quarantine counters the crash scenario reads (decode; without the prefix; absent,
+#: so 0, on stock): the heartbeat's alarm (no evidence), the probe's misses, and the releases by
+#: evidence.
+CRASH_METRICS = ("quarantine_peer_gone_alarm_total", "quarantine_probe_failed_total",
+                 "quarantine_released_ack_total", "quarantine_released_incarnation_total",
+                 "quarantine_released_operator_total", "quarantine_operator_release_total")
+#: The fork's releases of quarantined pages by evidence (a crashed prefill's pages: a new
+#: incarnation registered at its address, or an operator's release).
+INCARNATION_METRIC = "sglang:pdsafe_quarantine_released_incarnation_total"
+OPERATOR_METRIC = "sglang:pdsafe_quarantine_released_operator_total"
+#: How long the crash scenario watches V2's pages held before it gives the evidence: two of
+#: the decode's incarnation probes at their default interval (5 s) and then some.
+HOLD_WINDOW_S = 12.0
 #: Upstream's counter of resolved deferred releases, by ``outcome`` (``drained``: every prefill
-#: rank acknowledged the drain; ``timeout``: released without it; the fork counts its peer-gone
-#: releases as ``timeout`` too, upstream's collector accepting no other label). Both variants.
+#: rank acknowledged the drain; ``timeout``: released without it; the fork counts its releases on
+#: a new incarnation or an operator's word as ``timeout`` too, upstream's collector accepting no
+#: other label). Both variants.
 DEFERRED_RELEASE_METRIC = "sglang:decode_deferred_kv_release_total"
 RELEASE_OUTCOMES = ("drained", "timeout", "error")
 
@@ -550,19 +567,30 @@ def design_problems(obs: Observation) -> list[str]:
 
 @dataclass
 class CrashObservation:
-    """The prefill SIGKILLed while its write into V2's decode pages is held.
+    """The prefill SIGKILLed while its write into V2's decode pages is held, then the evidence.
 
-    ``release_s``: seconds from the kill until the decode counter ``release_metric`` moved (V2's
-    pages released; None: not within the bound); ``peer_gone_delta`` and ``release_deltas``:
-    the fork's peer-gone releases and upstream's deferred releases by outcome, over the run."""
+    Times are seconds from the kill: ``v2_answer_s`` (V2's decode answer), ``evidence_s``
+    (the evidence was given: the prefill answered /health again on its ports, or the
+    operator's release was accepted), ``release_s`` (the decode counter ``release_metric``
+    moved: V2's pages released; None: not within the bound). ``hold_deltas``: the decode's
+    pdsafe quarantine counters (``CRASH_METRICS``) over the hold window, from the kill until
+    the evidence; ``release_deltas``: upstream's deferred releases by outcome over the run;
+    ``evidence_deltas``: the pdsafe counters from the evidence to the end."""
 
     v2_room: int
+    evidence: str = ""
+    evidence_detail: str = ""
     v2_decode_status: int = 0
     v2_decode_error: str = ""
-    v2_answer_s: float | None = None  # seconds from the kill to V2's decode answer
-    release_metric: str = PEER_GONE_METRIC
+    v2_answer_s: float | None = None
+    release_metric: str = INCARNATION_METRIC
+    hold_s: float = 0.0
+    evidence_s: float | None = None
     release_s: float | None = None
-    peer_gone_delta: float = 0.0
+    hold_deltas: dict[str, float] = field(default_factory=dict)
+    #: The decode's quarantined transfers (gauge) just before the evidence.
+    quarantined_before_evidence: float = 0.0
+    evidence_deltas: dict[str, float] = field(default_factory=dict)
     release_deltas: dict[str, float] = field(default_factory=dict)
     b2_status: int = 0
     b2_identical: bool = False
@@ -573,35 +601,80 @@ class CrashObservation:
     v2_result: GenResult | None = None
     attempts: list[Attempt] = field(default_factory=list)
 
+    @property
+    def released_before_evidence(self) -> bool:
+        """The pages were released before the evidence was given (a fail-open release)."""
+        return self.release_s is not None and (self.evidence_s is None
+                                               or self.release_s < self.evidence_s)
+
     def to_json(self) -> dict[str, Any]:
         """The observation without the raw answers."""
         skip = {"v2_result", "attempts"}
         out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in skip}
+        out["released_before_evidence"] = self.released_before_evidence
         out["b2_attempts"] = [(a.room, a.decode.status, a.decode.timed_out)
                               for a in self.attempts]
         return out
 
 
+#: The evidence a crash run gives once the hold window passed: restart the killed prefill on
+#: its ports (a new process incarnation), or an operator's release of its pages. Each takes
+#: the stack and the killed prefill and returns what it did (the observation's detail).
+Evidence = Callable[[Trio, SGLangServer], str]
+
+
+def restart_prefill(trio: Trio, killed: SGLangServer) -> str:
+    """Evidence: start the killed prefill again on the same HTTP and bootstrap ports (its new
+    process registers with a new incarnation); returns once it answers /health."""
+    restart_server(killed)
+    return f"restarted on ports {sorted(killed.ports)} (log {killed.process.log_path.name})"
+
+
+def writer_address(prefill: SGLangServer) -> str:
+    """The writer address a decode knows ``prefill`` by (its bootstrap address)."""
+    return f"127.0.0.1:{prefill.bootstrap_port}"
+
+
+def operator_release(trio: Trio, killed: SGLangServer) -> str:
+    """Evidence: the operator's ``POST /pdsafe/quarantine/release`` on the decode, naming the
+    killed prefill. Raises ``AssertionError`` unless the decode accepted it (HTTP 200)."""
+    r = requests.post(trio.decode.url + "/pdsafe/quarantine/release",
+                      json={"writer": writer_address(killed)}, timeout=30)
+    assert r.status_code == 200, f"the decode refused the operator's release: {r.status_code} " \
+                                 f"{r.text[:300]}"
+    return f"POST /pdsafe/quarantine/release -> {r.status_code} {r.text[:200]}"
+
+
+def _counters(url: str) -> dict[str, float]:
+    samples = scrape(url)
+    return {m: sum_samples(samples, "sglang:pdsafe_" + m) for m in CRASH_METRICS}
+
+
 def run_crash(trio: Trio, v2_ids: list[int], b2_ids: list[int], *,
               expected: Callable[[list[int], int], list[int] | None], v2_room: int,
-              b2_room: int, victim_via: SGLangServer | None = None,
-              release_metric: str = PEER_GONE_METRIC, release_bound_s: float = CRASH_BOUND_S,
-              v_timeout_s: float = CRASH_BOUND_S + 60, b_timeout_s: float = 300.0,
-              b_retry_s: float = 30.0) -> CrashObservation:
-    """V2 held in its prefill's transfer worker, that prefill SIGKILLed, B2 through the other.
+              b2_room: int, evidence: Evidence, victim_via: SGLangServer | None = None,
+              release_metric: str = INCARNATION_METRIC, hold_s: float = HOLD_WINDOW_S,
+              release_bound_s: float = CRASH_BOUND_S, v_timeout_s: float = CRASH_BOUND_S + 60,
+              b_timeout_s: float = 300.0, b_retry_s: float = 30.0) -> CrashObservation:
+    """V2 held in its prefill's transfer worker, that prefill SIGKILLed, the evidence, B2.
 
-    ``v2_room`` must be a late room, ``b2_room`` a traced one. After V2's decode answer, waits
-    up to ``release_bound_s`` for the decode counter ``release_metric`` to move (V2's pages
-    released), then sends B2 (retried on a fresh traced room while it fails, for up to
-    ``b_retry_s``). The caller's ``victim_via`` (default ``trio.held``) is dead afterwards.
+    ``v2_room`` must be a late room, ``b2_room`` a traced one. After V2's decode answer, the
+    hold window: ``hold_s`` seconds in which the decode counters are watched (nothing may
+    release V2's pages on the fork: the heartbeat only alarms, the incarnation probe finds
+    nobody); then ``evidence(trio, killed)`` (:func:`restart_prefill`, :func:`operator_release`),
+    then up to ``release_bound_s`` for the decode counter ``release_metric`` to move (V2's pages
+    released; watched from the kill on), then B2 through the surviving prefill (retried on a
+    fresh traced room while it fails, for up to ``b_retry_s``). The killed prefill
+    (``victim_via``, default ``trio.held``) is dead afterwards unless the evidence restarted it.
     """
     vp = victim_via or trio.held
     bp = trio.other if vp is trio.held else trio.held
-    obs = CrashObservation(v2_room, release_metric=release_metric)
+    name = getattr(evidence, "__name__", str(evidence))
+    obs = CrashObservation(v2_room, evidence=name, release_metric=release_metric)
     obs.killed = next(r for r, s in trio.servers().items() if s is vp)
     want = expected(b2_ids, B_NEW)
     rel0 = metric_total(trio.decode.url, release_metric)
-    gone0 = metric_total(trio.decode.url, PEER_GONE_METRIC)
+    c0 = _counters(trio.decode.url)
     out0 = release_outcomes(trio.decode.url)
     boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": vp.bootstrap_port,
             "bootstrap_room": obs.v2_room}
@@ -610,6 +683,11 @@ def run_crash(trio: Trio, v2_ids: list[int], b2_ids: list[int], *,
     def v2_leg(url: str) -> GenResult:
         return bounded_generate(url, v2_ids, V_NEW, timeout=v_timeout_s, rid=rid, **boot)
 
+    def watch_release(t_kill: float) -> bool:
+        if obs.release_s is None and metric_total(trio.decode.url, release_metric) > rel0:
+            obs.release_s = time.monotonic() - t_kill
+        return obs.release_s is not None
+
     with ThreadPoolExecutor(2) as ex:
         ex.submit(v2_leg, vp.url)
         fd: Future[GenResult] = ex.submit(v2_leg, trio.decode.url)
@@ -617,16 +695,28 @@ def run_crash(trio: Trio, v2_ids: list[int], b2_ids: list[int], *,
         t_kill = time.monotonic()
         vp.process.kill()
         rd = fd.result(timeout=v_timeout_s + 30)
-        obs.v2_result = rd
-        obs.v2_answer_s = time.monotonic() - t_kill
-        obs.v2_decode_status = rd.status
-        obs.v2_decode_error = "" if rd.ok else rd.error_message
-        try:
-            wait_for("the decode to release V2's pages", lambda: metric_total(
-                trio.decode.url, release_metric) > rel0, release_bound_s, step=0.5)
-            obs.release_s = time.monotonic() - t_kill
-        except AssertionError:
-            pass
+    obs.v2_result = rd
+    obs.v2_answer_s = time.monotonic() - t_kill
+    obs.v2_decode_status = rd.status
+    obs.v2_decode_error = "" if rd.ok else rd.error_message
+    # The hold window: nothing may release V2's pages before the evidence.
+    window_end = time.monotonic() + hold_s
+    while time.monotonic() < window_end:
+        watch_release(t_kill)
+        time.sleep(0.5)
+    watch_release(t_kill)
+    c1 = _counters(trio.decode.url)
+    obs.hold_s = time.monotonic() - t_kill
+    obs.hold_deltas = {m: c1[m] - c0[m] for m in CRASH_METRICS}
+    obs.quarantined_before_evidence = metric_total(trio.decode.url,
+                                                   "sglang:pdsafe_quarantined_transfers")
+    obs.evidence_detail = evidence(trio, vp)
+    obs.evidence_s = time.monotonic() - t_kill
+    try:
+        wait_for("the decode to release V2's pages", lambda: watch_release(t_kill),
+                 release_bound_s, step=0.5)
+    except AssertionError:
+        pass
     room = b2_room
     deadline = time.monotonic() + b_retry_s
     while True:
@@ -640,7 +730,8 @@ def run_crash(trio: Trio, v2_ids: list[int], b2_ids: list[int], *,
         time.sleep(0.5)
     obs.b2_status = rb.status
     obs.b2_identical = rb.ok and want is not None and rb.output_ids == want
-    obs.peer_gone_delta = metric_total(trio.decode.url, PEER_GONE_METRIC) - gone0
+    c2 = _counters(trio.decode.url)
+    obs.evidence_deltas = {m: c2[m] - c1[m] for m in CRASH_METRICS}
     out1 = release_outcomes(trio.decode.url)
     obs.release_deltas = {o: out1[o] - out0[o] for o in RELEASE_OUTCOMES}
     obs.decode_alive = trio.decode.process.alive()

@@ -274,6 +274,8 @@ class SGLangServer:
     process: ManagedProcess
     bootstrap_port: int | None = None
     log_dir: Path | None = None
+    #: How often :func:`restart_server` started it again on its ports.
+    restarts: int = 0
 
     @property
     def url(self) -> str:
@@ -332,8 +334,35 @@ def wait_server(server: SGLangServer) -> None:
             raise
 
 
-def _spawn_server(cfg: ServerConfig, log_dir: Path) -> SGLangServer:
-    port = reserve_port()
+def restart_server(server: SGLangServer, *, wait: bool = True) -> SGLangServer:
+    """Start ``server`` again, a new process on the same ports, after it was stopped or
+    killed (a prefill then registers with its bootstrap server as a new process incarnation,
+    at the address decodes already know). Its log goes to a new file (``NAME-restartN.log``);
+    ``server.process`` is replaced in place, so whoever holds ``server`` stops the new process.
+
+    No retry on fresh ports (the point is the same address): a port taken in the meantime
+    raises :class:`PortTaken`. With ``wait``, returns once it answers /health."""
+    if server.process.alive():
+        raise RuntimeError(f"{server.process.name} is still running; stop or kill it first")
+    assert server.log_dir is not None
+    server.restarts += 1
+    fresh = _spawn_server(server.config, server.log_dir, port=server.port,
+                          bootstrap_port=server.bootstrap_port,
+                          suffix=f"-restart{server.restarts}")
+    server.process = fresh.process
+    if wait:
+        try:
+            wait_healthy(server.process, server.url, ports=server.ports)
+        except BaseException:
+            server.process.stop()
+            raise
+    return server
+
+
+def _spawn_server(cfg: ServerConfig, log_dir: Path, *, port: int | None = None,
+                  bootstrap_port: int | None = None, suffix: str = "") -> SGLangServer:
+    """Start the process of ``cfg`` (fresh ports unless given; ``suffix`` ends its name)."""
+    port = reserve_port() if port is None else port
     argv = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(cfg.model_path),
@@ -352,19 +381,20 @@ def _spawn_server(cfg: ServerConfig, log_dir: Path) -> SGLangServer:
         argv += ["--context-length", str(cfg.context_length)]
     if cfg.allow_auto_truncate:
         argv += ["--allow-auto-truncate"]
-    bootstrap_port = None
     if cfg.role in ("prefill", "decode"):
         argv += [
             "--disaggregation-mode", cfg.role,
             "--disaggregation-transfer-backend", cfg.backend,
         ]
         if cfg.role == "prefill":
-            bootstrap_port = reserve_port()
+            bootstrap_port = reserve_port() if bootstrap_port is None else bootstrap_port
             argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
         else:
             argv += ["--disaggregation-decode-retraction-backup", "none"]
+    if cfg.role != "prefill":
+        bootstrap_port = None
     argv += cfg.extra_args
-    name = f"{cfg.role}-{cfg.backend if cfg.role != 'colocated' else 'ref'}-{port}"
+    name = f"{cfg.role}-{cfg.backend if cfg.role != 'colocated' else 'ref'}-{port}{suffix}"
     proc = ManagedProcess(name, argv, server_env(cfg.env), log_dir / f"{name}.log")
     proc.start()
     return SGLangServer(cfg, port, proc, bootstrap_port, log_dir)
