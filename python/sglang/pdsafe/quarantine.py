@@ -504,7 +504,8 @@ def ready(kv_mgr: Any, key: Any, *, drained: bool, now: float, deadline: float) 
     return True
 
 
-@hook("quarantine.probe", outcome=Outcome.HOLD, counter=FAILED, on_failure=returns(None),
+@hook("quarantine.probe", outcome=Outcome.HOLD, counter=FAILED, internal=True,
+      on_failure=returns(None),
       key=lambda q: ("probe", id(q)),
       effect="no incarnation probe this pass; the holds stay held until an ACK, an operator "
              "or a later probe's answer (the pass still applies the evidence it has)")
