@@ -101,6 +101,23 @@ so it sees the hooked function.
     (``STALE_GENERATION_FRAME``). Then the real transfer runs. Logged (``STALE_LOG``) with the
     room and the messages sent. Every other room is untouched.
 
+``SGLANG_PDSAFE_TEST_FAULTS=hook_fail`` (either role: every pdsafe hook, runtime-controlled)
+    Every hook's body (``policy.HookSpec.body``, what its guard calls) gets a shim that makes
+    it raise, at its entry or after its body ran, while the control file named by
+    ``SGLANG_PDSAFE_TEST_FAULT_CONTROL`` arms it; the process reports calls, injections, its
+    poison and (schedulers) an allocator audit next to that file. Unarmed, every hook behaves
+    as without the plugin. See :mod:`pdsafe_testkit.hook_fail` and
+    ``test/pd/test_hook_failures.py``.
+
+``SGLANG_PDSAFE_TEST_FAULTS=free_reserved`` (a decode-side fault: pages freed under a transfer)
+    Right before decode's page-generation commit check (a ``BEFORE`` hook of
+    ``sglang.pdsafe.page_generation.decode_commit_refusal``, which the patched transfer queue
+    calls through the module attribute), a request whose rid starts with
+    ``pdsafe-fault-freereserved-`` has the second page of its reservation freed to the
+    allocator: exactly an upstream page-lifecycle bug that frees a page while prefill writes
+    it. The page's generation moves, so the commit is refused and the release must not free
+    that page again. Logged (``TEST FAULT free_reserved``) with the freed token slots.
+
 Only public sglang API is used: the scheduler's ``req_to_token_pool.req_to_token`` table, the
 KV pool's ``get_key_buffer``/``get_value_buffer``/``start_layer``/``layer_num``, and the
 ``HookRegistry`` of the plugin framework; ``late_write`` also reads the calling
@@ -146,7 +163,13 @@ POSTCHECK_TARGET = ("sglang.srt.disaggregation.decode_schedule_batch_mixin."
 DEFAULT_FOREIGN_KV = 16
 #: Fault names ``SGLANG_PDSAFE_TEST_FAULTS`` may name (anything else is refused).
 KNOWN_FAULTS = ("foreign_kv", "late_write", "kv_corrupt", "park_commit", "wire_version",
-                "stale_status")
+                "stale_status", "hook_fail", "free_reserved")
+#: ``free_reserved``: rids ``pdsafe-fault-freereserved-...`` lose a reserved page before commit.
+FREE_RESERVED_PREFIX = "pdsafe-fault-freereserved-"
+#: The product's page-generation commit check (``free_reserved`` frees a page right before it).
+FREE_RESERVED_TARGET = "sglang.pdsafe.page_generation.decode_commit_refusal"
+#: Log line of a page ``free_reserved`` freed.
+FREE_RESERVED_LOG = "TEST FAULT free_reserved"
 
 #: Bootstrap rooms whose KV writes ``late_write`` holds back (tests pick rooms from here).
 LATE_ROOM_BASE = 0x1A7E << 48
@@ -716,6 +739,34 @@ class ParkCommit:
                        rid, _KVPOLL_NAMES.get(poll, str(poll)), after, time.time(), what)
 
 
+class FreeReserved:
+    """The armed ``free_reserved`` fault: free one reserved page of a fault request before its
+    commit check.
+
+    Invariant: only requests whose rid starts with ``FREE_RESERVED_PREFIX`` are touched, once
+    each, and only a page of their own reservation (the second page of their row)."""
+
+    def __init__(self) -> None:
+        self.done: set[str] = set()
+
+    def before_commit_check(self, transfer_queue: Any, decode_req: Any, *args: Any,
+                            **kwargs: Any) -> None:
+        req = decode_req.req
+        rid = getattr(req, "rid", None)
+        if not isinstance(rid, str) or not rid.startswith(FREE_RESERVED_PREFIX) \
+                or rid in self.done:
+            return
+        self.done.add(rid)
+        scheduler = transfer_queue.scheduler
+        alloc = scheduler.token_to_kv_pool_allocator
+        page = max(1, int(getattr(alloc, "page_size", 1) or 1))
+        row = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        slots = row[page:2 * page].clone()
+        alloc.free(slots)
+        logger.warning("%s: rid %s: freed token slots %s (its second page) under its transfer",
+                       FREE_RESERVED_LOG, rid, page_runs(slots.tolist()))
+
+
 #: The armed faults of this process (None until :func:`register` armed them).
 armed: ForeignKV | None = None
 armed_late_write: LateWrite | None = None
@@ -724,6 +775,8 @@ armed_park: ParkCommit | None = None
 #: ``wire_version``: (this release's wire version, the one the process now speaks), once armed.
 armed_wire_version: tuple[str, str] | None = None
 armed_stale: StaleStatus | None = None
+armed_hook_fail: Any = None  # pdsafe_testkit.hook_fail.HookFail, once armed
+armed_free_reserved: FreeReserved | None = None
 
 
 def register() -> None:
@@ -734,10 +787,12 @@ def register() -> None:
     Idempotent within a process: a second call registers nothing more.
     """
     global armed, armed_late_write, armed_corrupt, armed_park, armed_wire_version, armed_stale
+    global armed_hook_fail, armed_free_reserved
     spec = os.environ.get(ENV, "")
     if not spec.strip() or armed is not None or armed_late_write is not None \
             or armed_corrupt is not None or armed_park is not None \
-            or armed_wire_version is not None or armed_stale is not None:
+            or armed_wire_version is not None or armed_stale is not None \
+            or armed_hook_fail is not None or armed_free_reserved is not None:
         return
     n = parse_foreign_kv(spec)
     seconds = parse_late_write(spec)
@@ -745,7 +800,10 @@ def register() -> None:
     park = parse_park_commit(spec)
     wire_version = parse_wire_version(spec)
     stale = "stale_status" in parse_spec(spec)
-    if not n and not seconds and not corrupt and not park and not wire_version and not stale:
+    hook_fail = "hook_fail" in parse_spec(spec)
+    free_reserved = "free_reserved" in parse_spec(spec)
+    if not n and not seconds and not corrupt and not park and not wire_version and not stale \
+            and not hook_fail and not free_reserved:
         logger.warning("%s=%r names no known test fault; nothing armed", ENV, spec)
         return
     if wire_version:
@@ -764,6 +822,19 @@ def register() -> None:
         )
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    if hook_fail:
+        _arm_hook_fail(spec)
+    if free_reserved:
+        armed_free_reserved = FreeReserved()
+        HookRegistry.register(FREE_RESERVED_TARGET, armed_free_reserved.before_commit_check,
+                              HookType.BEFORE)
+        logger.warning(
+            "TEST FAULT ARMED (%s=%s, plugin %s, pid %d): before decode's page-generation "
+            "commit check (%s), requests with rid prefix %r lose the second page of their "
+            "reservation to the allocator. Never install sglang-pdsafe-testkit or set this "
+            "outside tests.", ENV, spec, PLUGIN_NAME, os.getpid(), FREE_RESERVED_TARGET,
+            FREE_RESERVED_PREFIX,
+        )
     if n:
         armed = ForeignKV(n)
         HookRegistry.register(TARGET, armed.before_commit, HookType.BEFORE)
@@ -816,3 +887,22 @@ def register() -> None:
             LATE_ROOM_BASE + ROOM_RANGE_WIDTH - 1, seconds, TRACE_ROOM_BASE,
             TRACE_ROOM_BASE + ROOM_RANGE_WIDTH - 1,
         )
+
+
+def _arm_hook_fail(spec: str) -> None:
+    """Arm ``hook_fail`` in this process: shim every hook, audit the allocator each quiet
+    scheduler pass (see :mod:`pdsafe_testkit.hook_fail`)."""
+    global armed_hook_fail
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from pdsafe_testkit import hook_fail
+
+    armed_hook_fail = hook_fail.from_env()
+    n = armed_hook_fail.install()
+    HookRegistry.register(hook_fail.AUDIT_TARGET, armed_hook_fail.before_idle, HookType.BEFORE)
+    logger.warning(
+        "TEST FAULT ARMED (%s=%s, plugin %s, pid %d): the %d pdsafe hooks fail on demand "
+        "(control file %s); the scheduler audits its KV allocator when quiet (%s). Never "
+        "install sglang-pdsafe-testkit or set this outside tests.", ENV, spec, PLUGIN_NAME,
+        os.getpid(), n, armed_hook_fail.control_path, hook_fail.AUDIT_TARGET,
+    )
