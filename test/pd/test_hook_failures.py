@@ -24,8 +24,8 @@ A hook the workload never reaches is skipped ("not exercised"); hooks that run o
 (``test/unit/test_policy.py``, ``test/unit/test_startup_report.py``). Mooncake runs both modes;
 NIXL runs ``entry`` unless ``PDSAFE_FULL_BACKENDS=all``. By default (CI) only a sample runs
 (``CI_SAMPLE``, entry mode); ``PDSAFE_HOOK_SUITE=all`` runs every hook. The results (every case
-and the startup hooks) go to ``hook-failures.json`` in the log directory (``PDSAFE_HOOK_FAIL_RESULTS``
-to choose the path); ``scripts/hook-failure-table.py`` turns them into
+and the startup hooks) go to ``hook-failures.json`` in the log directory
+(``PDSAFE_HOOK_FAIL_RESULTS`` to choose the path); ``scripts/hook-failure-table.py`` turns them into
 ``docs/failure-policy-suite.md``.
 
 The suite can see the bugs the policy closed (the legacy tests, run last): with the old
