@@ -190,6 +190,7 @@ def test_deployment_mode_against_fork_and_stock(deployments, tmp_path):
     assert not [f for fs in pre.values() for f in fs if f["level"] == "error"], pre
     assert any("thread count" in f["what"] for f in pre["fork"]), pre
     assert any("repeat probe" in f["what"] for f in pre["reference"]), pre
+    assert "## Preflight" in (tmp_path / "deploy" / "report.md").read_text()
     assert "note: fork: long-prompt probes at the deployment's limits" in proc.stderr, log
     cells = rep["results"]
     assert {(c["scenario"], c["variant"]) for c in cells} == {
