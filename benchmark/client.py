@@ -20,9 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import requests
-from pdsafe_testkit.servers import error_message
 
+from benchmark import transport
 from benchmark.outcomes import Answer
+from benchmark.transport import error_message
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -119,7 +120,8 @@ def send(url: str, payload: dict[str, Any], *, bound_s: float, path: str = "/gen
     t0 = time.monotonic()
     try:
         if not stream:
-            r = requests.post(url + path, json=payload, timeout=(CONNECT_TIMEOUT_S, bound_s))
+            r = transport.post(url + path, json=payload,
+                               timeout=(CONNECT_TIMEOUT_S, bound_s))
             try:
                 body: Any = r.json()
             except ValueError:
@@ -136,7 +138,7 @@ def send(url: str, payload: dict[str, Any], *, bound_s: float, path: str = "/gen
 
 
 def _send_stream(url: str, payload: dict[str, Any], t0: float, bound_s: float) -> Answer:
-    with requests.post(url, json=payload, timeout=(CONNECT_TIMEOUT_S, bound_s),
+    with transport.post(url, json=payload, timeout=(CONNECT_TIMEOUT_S, bound_s),
                        stream=True) as r:
         if r.status_code != 200:
             try:

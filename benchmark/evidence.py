@@ -34,7 +34,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import requests
-from pdsafe_testkit.metrics import Sample, scrape, sum_samples
+
+from benchmark import transport
+from benchmark.transport import Sample, scrape, sum_samples
 
 DECODE_COMMITS = "sglang:per_stage_req_latency_seconds_count"
 PREFILL_SENDS = "sglang:kv_transfer_total_mb_count"
@@ -107,21 +109,19 @@ def _urls(url: str | Sequence[str]) -> list[str]:
     return [url] if isinstance(url, str) else list(url)
 
 
-def read_counters(prefill_url: str | Sequence[str], decode_url: str) -> Counters:
-    """Scrape both servers' /metrics (``prefill_url``: one prefill or several that share the
-    decode; their counters are summed); ``complete`` is False if any could not be read."""
+def read_counters(prefill_url: str | Sequence[str],
+                  decode_url: str | Sequence[str]) -> Counters:
+    """Scrape the servers' /metrics (one prefill and one decode, or every instance behind a
+    router: each side's counters are summed); ``complete`` is False if any could not be read."""
     ok = True
     p: list[Sample] = []
     d: list[Sample] = []
-    for url in _urls(prefill_url):
-        try:
-            p += scrape(url, timeout=10)
-        except requests.RequestException:
-            ok = False
-    try:
-        d = scrape(decode_url, timeout=10)
-    except requests.RequestException:
-        ok = False
+    for urls, into in ((_urls(prefill_url), p), (_urls(decode_url), d)):
+        for url in urls:
+            try:
+                into += scrape(url, timeout=10)
+            except requests.RequestException:
+                ok = False
     c = counters_from(p, d)
     return c if ok else replace(c, complete=False)
 
@@ -172,7 +172,7 @@ class Reservations:
 
 
 def _load(url: str) -> dict[str, Any]:
-    body = requests.get(url + "/v1/loads", timeout=15).json()
+    body = transport.get(url + "/v1/loads", timeout=15).json()
     loads = body.get("loads") if isinstance(body, dict) else None
     if not loads:
         raise ValueError(f"{url}/v1/loads has no loads: {str(body)[:200]}")
@@ -196,20 +196,21 @@ def _sum_loads(urls: Sequence[str]) -> dict[str, float]:
     return out
 
 
-def reservations_once(prefill_url: str | Sequence[str], decode_url: str,
+def reservations_once(prefill_url: str | Sequence[str], decode_url: str | Sequence[str],
                       page_size: int) -> Reservations:
-    """One reading of both sides (fields stay None where a server did not answer;
-    ``prefill_url``: one prefill or several that share the decode, summed)."""
+    """One reading of both sides (fields stay None where a server did not answer; several
+    prefills or decodes behind a router are summed per side)."""
     res = Reservations()
     errors = []
     try:
-        d = _load(decode_url)
+        d = _sum_loads(_urls(decode_url))
         res.decode_used_tokens = int(d["used"])
         res.decode_pages = math.ceil(d["used"] / max(1, page_size))
         res.decode_prealloc_queue = int(d["decode_prealloc_queue_reqs"])
         res.decode_transfer_queue = int(d["decode_transfer_queue_reqs"])
         res.decode_retracted_queue = int(d["decode_retracted_queue_reqs"])
-        res.decode_deferred_release = int(sum_samples(scrape(decode_url), DEFERRED))
+        res.decode_deferred_release = int(sum(sum_samples(scrape(u), DEFERRED)
+                                              for u in _urls(decode_url)))
     except (requests.RequestException, ValueError) as e:
         errors.append(f"decode: {e}")
     try:
@@ -224,7 +225,8 @@ def reservations_once(prefill_url: str | Sequence[str], decode_url: str,
     return res
 
 
-def reservations_after(prefill_url: str | Sequence[str], decode_url: str, page_size: int, *,
+def reservations_after(prefill_url: str | Sequence[str], decode_url: str | Sequence[str],
+                       page_size: int, *,
                        settle_s: float, poll_s: float = 0.5) -> Reservations:
     """Poll until both servers hold nothing, or ``settle_s`` passed; the last reading. A
     server that does not answer at all ends the polling (it will not settle)."""

@@ -3,7 +3,7 @@
   python -m benchmark.kv_digest_cost --out DIR [--quick] [--backend mooncake|nixl] [--reps N]
       [--page-size 1] [--bound S] [--seed N] [--no-progress]
 
-Starts, on the CPU harness (``benchmark.targets.Harness``, ``pdsafe_testkit.servers``), one
+Starts, on the CPU harness (``benchmark.harness.Harness``, ``pdsafe_testkit.servers``), one
 co-located reference server and two fork PD stacks (prefill, decode, router) that differ only
 in ``SGLANG_PDSAFE_KV_DIGEST`` on both legs: ``on`` = 1 (the default, set explicitly so that an
 inherited ``=0`` cannot turn it off), ``off`` = 0 (the setting is compared at pairing, so both
@@ -56,10 +56,11 @@ from typing import Any
 from pdsafe_testkit.metrics import scrape, sum_samples
 
 from benchmark.evidence import DECODE_COMMITS, PREFILL_SENDS
+from benchmark.harness import Harness
 from benchmark.outcomes import Outcome, count
 from benchmark.overhead import METRICS, Burst, OverheadPlan, run_burst, summarize
 from benchmark.scenarios import Ctx, Knobs, Reference
-from benchmark.targets import Harness, PDTarget, StackKind
+from benchmark.targets import PDTarget, StackKind
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = "SGLANG_PDSAFE_KV_DIGEST"

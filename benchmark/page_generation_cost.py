@@ -9,8 +9,10 @@ of the fork): upstream's allocators call the table from their free funnel.
 Builds three real allocators of the same size, side by side in one process, on the CPU:
 
 * ``upstream``: the allocator class of the pristine 0.5.23 wheel, loaded from
-  ``--upstream-src`` (an unpacked wheel's ``sglang/`` directory; default ``/tmp/sg/sglang``;
-  the column is left out when absent): upstream's own ``free`` (and clear), unpatched;
+  ``--upstream-src`` (the ``sglang/`` directory of the unpacked pinned wheel; default
+  ``build/upstream-src/sglang``, made by ``python -m zipfile -e <the wheel in
+  ~/.cache/sglang-pdsafe/wheels> build/upstream-src``; the column is left out when absent):
+  upstream's own ``free`` (and clear), unpatched;
 * ``off``: the patched class without a table (a non-PD server, or the off switch): upstream
   plus the patch's one ``is not None`` check;
 * ``on``: the patched class with a ``sglang.pdsafe.page_generation`` table attached by
@@ -45,6 +47,7 @@ from typing import Any
 
 import torch
 
+REPO = Path(__file__).resolve().parent.parent
 PD = SimpleNamespace(disaggregation_mode="decode", disaggregation_decode_host_receive_threshold=1)
 
 
@@ -160,7 +163,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--pages", type=int, default=100_000)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--upstream-src", type=Path, default=Path("/tmp/sg/sglang"))
+    ap.add_argument("--upstream-src", type=Path,
+                    default=REPO / "build" / "upstream-src" / "sglang")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

@@ -33,8 +33,9 @@ import traceback
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from benchmark import client, preflight, transport
 from benchmark import report as rpt
 from benchmark.base_tree import DEFAULT_TREE, prepare_base_tree
 from benchmark.evidence import reservations_after
@@ -49,10 +50,20 @@ from benchmark.scenarios import (
     applicable,
     select,
 )
-from benchmark.targets import Harness, PDTarget, StartupError, deployment_target
+from benchmark.targets import PDTarget, deployment_target, server_info
+
+if TYPE_CHECKING:
+    from benchmark.harness import Harness
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = ("base", "fork")
+
+
+def _startup_error() -> type[BaseException]:
+    """The harness's "a server did not start" (harness mode only: imports the testkit)."""
+    from benchmark.harness import StartupError
+
+    return StartupError
 
 
 def _csv(s: str) -> list[str]:
@@ -84,8 +95,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="build of the co-located reference (default: base when it runs)")
     ap.add_argument("--no-progress", action="store_true")
     g = ap.add_argument_group("deployment mode (an existing deployment; nothing is started)")
-    g.add_argument("--target-prefill")
-    g.add_argument("--target-decode")
+    g.add_argument("--target-prefill", action="append", type=_csv, metavar="URL[,URL...]",
+                   help="prefill instance(s) behind the router (repeat or comma-separate); "
+                        "requests sent to the legs directly go to the first")
+    g.add_argument("--target-decode", action="append", type=_csv, metavar="URL[,URL...]",
+                   help="decode instance(s), as --target-prefill")
     g.add_argument("--target-router")
     g.add_argument("--target-reference", help="a co-located (non-PD) server of the same model")
     g.add_argument("--target-bootstrap-host", help="default: the prefill URL's host")
@@ -93,10 +107,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--target-vocab-size", type=int,
                    help="vocabulary size for canary prompts (default: the model's config.json "
                         "if readable here, else 32000)")
-    g.add_argument("--base-target-prefill", help="a stock deployment next to it (overhead)")
-    g.add_argument("--base-target-decode")
+    g.add_argument("--base-target-prefill", action="append", type=_csv,
+                   help="a stock deployment next to it (its scenarios, and the overhead)")
+    g.add_argument("--base-target-decode", action="append", type=_csv)
     g.add_argument("--base-target-router")
+    g.add_argument("--api-key", default=os.environ.get("PDSAFE_BENCH_API_KEY"),
+                   help="the servers' --api-key, sent as a bearer token (default: "
+                        "$PDSAFE_BENCH_API_KEY; prefer the variable: arguments are visible "
+                        "to other users of the machine)")
+    g.add_argument("--admin-api-key", default=os.environ.get("PDSAFE_BENCH_ADMIN_API_KEY"),
+                   help="the servers' --admin-api-key, for /abort_request (the abort "
+                        "scenarios) (default: $PDSAFE_BENCH_ADMIN_API_KEY)")
+    g.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'",
+                   help="an extra header on every request (a gateway's tenant or routing "
+                        "header); repeatable")
+    g.add_argument("--require-determinism", action="store_true",
+                   help="stop when a GPU server runs without --enable-deterministic-inference "
+                        "(default: a warning; its differences would count as leaks)")
+    g.add_argument("--ignore-preflight", action="store_true",
+                   help="run even when the preflight finds that the reference cannot judge "
+                        "the deployment (findings stay in the report)")
+    g.add_argument("--max-probe-tokens", type=int, default=0,
+                   help="longest long-prompt probe over-capacity-deployed sends (0: probe at "
+                        "the deployment's own limits, whatever they are; the cost is printed "
+                        "before the probes run)")
     a = ap.parse_args(argv)
+    for k in ("target_prefill", "target_decode", "base_target_prefill", "base_target_decode"):
+        setattr(a, k, [u for group in (getattr(a, k) or []) for u in group])
+    try:
+        a.headers = dict(transport.parse_header(h) for h in a.header)
+    except ValueError as e:
+        ap.error(str(e))
     a.deployment = any(getattr(a, f"target_{k}") for k in ("prefill", "decode", "router",
                                                           "reference"))
     if a.deployment:
@@ -118,9 +159,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     bad = [v for v in a.variants if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variant(s) {bad}")
-    a.out = a.out or REPO / "build" / ("bench-smoke" if a.smoke else
-                                       "bench-quick" if a.quick else "bench-full")
+    if a.out is None:
+        a.out = (Path("build") / "bench-deployment" if a.deployment else
+                 REPO / "build" / ("bench-smoke" if a.smoke else
+                                   "bench-quick" if a.quick else "bench-full"))
     return a
+
+
+#: Options whose value must not reach report.json (keys; a header may carry a token).
+SECRET_OPTIONS = ("--api-key", "--admin-api-key", "--header")
+
+
+def redacted(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the values of ``SECRET_OPTIONS`` replaced by ``***`` (report.json)."""
+    out: list[str] = []
+    hide = False
+    for arg in argv:
+        if hide:
+            out.append("***")
+            hide = False
+        elif arg in SECRET_OPTIONS:
+            out.append(arg)
+            hide = True
+        elif arg.split("=", 1)[0] in SECRET_OPTIONS and "=" in arg:
+            out.append(arg.split("=", 1)[0] + "=***")
+        else:
+            out.append(arg)
+    return out
 
 
 def _seed(*parts: Any) -> int:
@@ -163,6 +228,10 @@ class Progress:
             self.bar.close()
 
 
+def _announce(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr, flush=True)
+
+
 def run_scenario(s: Scenario, target: PDTarget, ref: Reference, knobs: Knobs,
                  progress: Progress) -> rpt.Cell:
     """Run one scenario on one target; the cell (status ``error`` if it raised)."""
@@ -170,7 +239,7 @@ def run_scenario(s: Scenario, target: PDTarget, ref: Reference, knobs: Knobs,
                     target=target.describe())
     ctx = Ctx(target, ref, knobs, random.Random(_seed(knobs.seed, s.name, target.backend,
                                                       target.page_size)),
-              on_request=progress.request)
+              on_request=progress.request, announce=_announce)
     t0 = time.monotonic()
     try:
         assert s.fn is not None
@@ -190,7 +259,8 @@ def run_scenario(s: Scenario, target: PDTarget, ref: Reference, knobs: Knobs,
         cell.notes.append(f"killed by the scenario on purpose (not a crash; the stack is "
                           f"restarted before any later scenario): {sorted(target.killed)}")
     try:
-        cell.reservations = reservations_after(target.live_prefill_urls(), target.decode_url,
+        cell.reservations = reservations_after(target.live_prefill_urls(),
+                                               target.live_decode_urls(),
                                                target.page_size,
                                                settle_s=knobs.settle_s).to_json()
     except Exception as e:  # noqa: BLE001
@@ -244,7 +314,7 @@ def _open_slots(harness: Harness, variants: Sequence[str], backend: str, page: i
             try:
                 f.result()
                 out[v] = slots[v]
-            except StartupError as e:
+            except _startup_error() as e:
                 out[v] = str(e)
             except BaseException as e:  # noqa: BLE001 - re-raised below, after cleanup
                 failure = failure or e
@@ -314,6 +384,8 @@ def run_harness(a: argparse.Namespace, knobs: Knobs, plan: OverheadPlan,
     log_dir = a.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     ref_variant = a.reference_variant or ("base" if "base" in a.variants else "fork")
+    from benchmark.harness import Harness
+
     harness = Harness(log_dir, base=base, reference_variant=ref_variant)
     quick_cut = a.quick and not a.scenarios_named  # --quick leaves full-only scenarios out
     runnable = [s for s in scenarios if applicable(s, deployment=False, quick=quick_cut)[0]]
@@ -427,7 +499,7 @@ def _run_in_slot(s: Scenario, slot: Slot, ref: Reference, knobs: Knobs,
     progress.doing(f"{s.name} {variant}")
     try:
         target, note = slot.ensure()
-    except StartupError as e:
+    except _startup_error() as e:
         return _placeholder(s, slot.args[1], slot.args[2], variant, "error",
                             f"stack could not be restarted: {str(e)[-1500:]}")
     cell = run_scenario(s, target, ref, knobs, progress)
@@ -450,6 +522,16 @@ def run_deployment(a: argparse.Namespace, knobs: Knobs, plan: OverheadPlan,
                               vocab=a.target_vocab_size)
         targets["base"] = b
     ref = Reference(a.target_reference.rstrip("/"), knobs.bound_s)
+    checks = run_preflight(targets, ref, knobs, a)
+    blocking = [f"{v}: {f['what']}" for v, fs in checks.items() for f in fs
+                if f["level"] == "error"]
+    meta_base = {"versions": {v: t.versions.get("decode") for v, t in targets.items()},
+                 "variants": {v: t.describe() for v, t in targets.items()},
+                 "reference": {"url": ref.url, "kind": "co-located server given by the operator"},
+                 "preflight": checks, "auth": transport.auth().describe(), "timing": {}}
+    if blocking and not a.ignore_preflight:
+        raise PreflightFailed("the reference cannot judge this deployment token for token "
+                              "(--ignore-preflight runs anyway):\n  " + "\n  ".join(blocking))
     runnable = [s for s in scenarios if applicable(s, deployment=True)[0]]
     progress = Progress(len(runnable) * len(targets), not a.no_progress)
     cells: list[rpt.Cell] = []
@@ -476,16 +558,41 @@ def run_deployment(a: argparse.Namespace, knobs: Knobs, plan: OverheadPlan,
                                       "--base-target-decode/--base-target-router)"}
     finally:
         progress.close()
-    meta = {"versions": {v: t.versions.get("decode") for v, t in targets.items()},
-            "variants": {v: t.describe() for v, t in targets.items()},
-            "reference": {"url": ref.url, "kind": "co-located server given by the operator"},
-            "timing": {}}
-    return meta, cells, overhead
+    return meta_base, cells, overhead
+
+
+class PreflightFailed(RuntimeError):
+    """The preflight found that the reference cannot judge the deployment."""
+
+
+def run_preflight(targets: dict[str, PDTarget], ref: Reference, knobs: Knobs,
+                  a: argparse.Namespace) -> dict[str, list[dict[str, str]]]:
+    """``benchmark.preflight`` for every target against the reference (printed, returned)."""
+    ref_info = server_info(ref.url)
+    out: dict[str, list[dict[str, str]]] = {}
+    for v, t in targets.items():
+        infos = {"reference": ref_info}
+        infos.update({role: server_info(u) for role, u in t.urls().items() if role != "router"})
+        found = preflight.check(infos, require_determinism=a.require_determinism)
+        out[v] = preflight.to_json(found)
+    probe = preflight.repeat_probe(
+        lambda p, n: ref.expected(p, n), vocab=next(iter(targets.values())).book.vocab_size,
+        seed=knobs.seed,
+        concurrent=lambda jobs: [a_.output_ids if a_.ok else None for a_ in client.send_many(
+            [(ref.url, client.greedy_payload(p, n)) for p, n in jobs],
+            bound_s=knobs.bound_s, concurrency=len(jobs))])
+    out["reference"] = preflight.to_json(probe)
+    for v, fs in out.items():
+        for f in fs:
+            print(f"preflight {v}: {f['level']}: {f['what']}", file=sys.stderr, flush=True)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
-    knobs = Knobs.for_mode(a.quick, bound_s=a.bound, seed=a.seed)
+    knobs = Knobs.for_mode(a.quick, bound_s=a.bound, seed=a.seed,
+                           max_probe_tokens=a.max_probe_tokens)
+    transport.configure(a.api_key, a.admin_api_key, a.headers)
     plan = OverheadPlan.for_mode(a.quick)
     if a.reps:
         plan.reps = a.reps
@@ -501,6 +608,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             meta, cells, overhead = run_deployment(a, knobs, plan, scenarios)
         else:
             meta, cells, overhead = run_harness(a, knobs, plan, scenarios)
+    except PreflightFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except Exception as e:  # noqa: BLE001 - reported, exit status 2
         traceback.print_exc()
         print(f"error: the benchmark could not run: {e}", file=sys.stderr)
@@ -514,7 +624,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": {"backends": a.backends, "page_sizes": a.page_sizes, "variants": a.variants,
                    "scenarios": [s.name for s in scenarios], "knobs": vars(knobs),
                    "overhead_plan": vars(plan) | {"sweep": list(plan.sweep)},
-                   "cpu_count": os.cpu_count(), "argv": list(argv or sys.argv[1:])},
+                   "cpu_count": os.cpu_count(),
+                   "argv": redacted(list(argv or sys.argv[1:]))},
     })
     rep = rpt.write_all(meta, {s.name: s.describe() for s in scenarios}, cells, overhead, a.out)
     summ = rep["summary"]

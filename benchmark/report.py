@@ -196,6 +196,17 @@ def columns(cells: Sequence[dict[str, Any]]) -> list[tuple[str, int, str]]:
     return seen
 
 
+def _preflight_md(preflight: dict[str, list[dict[str, str]]] | None) -> list[str]:
+    """Deployment mode's preflight findings (``benchmark.preflight``), errors first."""
+    if not preflight:
+        return []
+    order = {"error": 0, "warning": 1, "note": 2}
+    found = sorted(((order.get(f["level"], 3), who, f) for who, fs in preflight.items()
+                    for f in fs), key=lambda x: (x[0], x[1]))
+    return ["", "## Preflight", ""] + [f"- **{f['level']}** ({who}): {f['what']}"
+                                       for _, who, f in found]
+
+
 def markdown(report: dict[str, Any]) -> str:
     cells = report["results"]
     cols = columns(cells)
@@ -213,6 +224,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- base shows the bug in: {report['summary']['base_shows_bug_in'] or 'none'}",
         f"- servers that died during a scenario: "
         f"{report['summary'].get('server_crashes') or 'none'}",
+        *_preflight_md(report.get("preflight")),
         "",
         "## Leak matrix",
         "",

@@ -1,7 +1,7 @@
 """The scenario registry: named, documented fault scenarios, each judged request by request.
 
 A scenario is a ``Scenario`` entry: its docstring (the function's) says what it does, what a
-leak would look like and which upstream gap it probes (``../shared/UPSTREAM-GAPS.md``); its
+leak would look like and which upstream gap it probes (``docs/upstream-gaps.md``); its
 ``stack`` names the PD configuration it needs (``targets.STACK_KINDS``); ``deployment_ok`` says
 whether it can run against an operator's deployment (no server-side fault injection, restart or
 special configuration). Scenarios the benchmark cannot run yet are registered with status
@@ -38,9 +38,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import requests
-from pdsafe_testkit.servers import GenResult, error_message, generate
 
-from benchmark import client
+from benchmark import client, transport
 from benchmark.evidence import Counters, read_counters
 from benchmark.outcomes import (
     Answer,
@@ -60,6 +59,7 @@ from benchmark.targets import (
 
 if TYPE_CHECKING:
     from pdsafe_testkit.late_write import Trio
+    from pdsafe_testkit.servers import GenResult
 
 #: The fake-transfer bootstrap host of upstream (``disaggregation/utils.py``
 #: ``FAKE_BOOTSTRAP_HOST``); hard-coded so the benchmark does not import the server package.
@@ -82,6 +82,9 @@ class Knobs:
     evidence_wait_s: float = 5.0
     divergence_rounds: int = 3
     seed: int = 0
+    #: Longest probe prompt ``over-capacity-deployed`` sends (0: no cap); longer probes are
+    #: listed as skipped in the cell's notes (a deployment's own limit may be 1M tokens).
+    max_probe_tokens: int = 0
 
     @classmethod
     def for_mode(cls, quick: bool, **over: Any) -> Knobs:
@@ -106,13 +109,16 @@ class Reference:
     def expected(self, prompt: Sequence[int], max_new: int) -> list[int] | None:
         key = (tuple(prompt), max_new)
         if key not in self._cache:
-            r = generate(self.url, prompt, max_new, timeout=self.bound_s)
-            if r.ok:
-                self._cache[key] = r.output_ids
+            a = client.send(self.url, client.greedy_payload(prompt, max_new),
+                            bound_s=self.bound_s)
+            if a.status == 200 and not a.in_band_abort and not a.samples:
+                self._cache[key] = list(a.output_ids)
             else:
                 self._cache[key] = None
-                self.failures.append(f"reference HTTP {r.status} for a {len(prompt)}-token "
-                                     f"prompt: {r.error_message[:200]}")
+                what = ("no answer in time" if a.timed_out
+                        else a.transport_error or a.message)
+                self.failures.append(f"reference HTTP {a.status} for a {len(prompt)}-token "
+                                     f"prompt: {what[:200]}")
         return self._cache[key]
 
 
@@ -142,6 +148,9 @@ class Ctx:
     phases: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     on_request: Callable[[int], None] = lambda n: None
+    #: Where the cost of an expensive phase is announced before it runs (the operator's
+    #: terminal, in the benchmark: stderr).
+    announce: Callable[[str], None] = lambda msg: None
 
     # ---------------------------------------------------------------- request builders
 
@@ -225,8 +234,7 @@ class Ctx:
     def run_phase(self, name: str, jobs: Sequence[Job], *, concurrency: int | None = None,
                   judge: bool = True) -> list[RequestRecord]:
         """Send ``jobs`` concurrently, judge every answer, charge unproven transfers."""
-        t = self.target
-        before = read_counters(t.prefill_url, t.decode_url)
+        before = read_counters(*self.target.counter_urls())
         t0 = time.monotonic()
         width = max(1, min(concurrency or self.knobs.concurrency, len(jobs) or 1))
 
@@ -259,11 +267,12 @@ class Ctx:
 
     def _await_evidence(self, before: Counters, n_ident: int,
                         prefill_urls: Sequence[str] | None = None) -> Counters:
-        t = self.target
-        prefills = list(prefill_urls) if prefill_urls is not None else t.prefill_url
+        prefills, decodes = self.target.counter_urls()
+        if prefill_urls is not None:
+            prefills = list(prefill_urls)
         deadline = time.monotonic() + self.knobs.evidence_wait_s
         while True:
-            delta = read_counters(prefills, t.decode_url).minus(before)
+            delta = read_counters(prefills, decodes).minus(before)
             if delta.proven >= n_ident or time.monotonic() >= deadline:
                 return delta
             time.sleep(0.25)
@@ -348,7 +357,8 @@ def _lengths(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
 
 
 def _pair_limit(ctx: Ctx) -> tuple[int, dict[str, Any]]:
-    """The longest prompt the pair claims to accept (the smaller side's effective limit)."""
+    """The longest prompt the pair claims to accept: the smallest effective limit of every
+    prefill and decode instance (a router may send a request to any of them)."""
     lim = ctx.target.limits()
     eff = [v.effective for v in lim.values() if v.effective]
     info = {side: vars(v) for side, v in lim.items()}
@@ -405,7 +415,7 @@ def over_capacity(ctx: Ctx) -> None:
     Victims fill decode's pages first; normal requests follow. Expected: answers at or below
     the limit identical, above it an explicit 4xx on every leg. A leak would be a 200 answer
     decoded over pages prefill never wrote (the incident's placeholder handoff); a hang, a leg
-    left waiting for a peer that already refused the request. Probes UPSTREAM-GAPS 1 (limit
+    left waiting for a peer that already refused the request. Probes upstream-gaps 1 (limit
     checked only in the scheduler, peer not told: the refused request's reservation on the
     other side is counted in ``pages_reserved_after``). Probes use 4 new tokens so that
     prompt + answer fit the context length at the limit.
@@ -419,13 +429,46 @@ def over_capacity(ctx: Ctx) -> None:
     lengths = sorted({n for b in bases for n in (b - 1, b, b + 1, b + page) if n > 16})
     ctx.notes.append(f"limits {info}; probe lengths {lengths}")
     _victims(ctx, ctx.knobs.victims, min(limit - 1, 256))
+    run, skipped = _probe_plan(lengths, ctx.knobs.max_probe_tokens)
+    cost = probe_cost(run, skipped, ctx.records, ctx.knobs.max_probe_tokens)
+    ctx.notes.append(cost)
+    ctx.announce(f"{ctx.target.variant}: {cost}")
     jobs = []
-    for n in lengths:
+    for n in run:
         label = f"probe-{n}"
         owner, p = ctx.canary(label, n)
         jobs.append(ctx.normal(label, p, 4, canary=owner))
-    ctx.run_phase("probes", jobs, concurrency=len(jobs))
+    if jobs:
+        ctx.run_phase("probes", jobs, concurrency=len(jobs))
     _after(ctx, ctx.knobs.victims, limit)
+
+
+def _probe_plan(lengths: Sequence[int], cap: int) -> tuple[list[int], list[int]]:
+    """(probe lengths to send, lengths over ``cap`` left out; ``cap`` 0: none left out)."""
+    if cap <= 0:
+        return list(lengths), []
+    return [n for n in lengths if n <= cap], [n for n in lengths if n > cap]
+
+
+def probe_cost(run: Sequence[int], skipped: Sequence[int], measured: Sequence[RequestRecord],
+               cap: int) -> str:
+    """What the long-prompt probes cost, said before they are sent: prompt tokens in all,
+    and the time at the prefill rate the requests judged so far achieved (prompt tokens per
+    second of their end-to-end time: a rough upper bound on the time, it includes decoding)."""
+    total = sum(run)
+    timed = [r for r in measured if r.e2e_s and r.outcome.value == "identical"]
+    rate = (sum(r.prompt_len for r in timed) / sum(r.e2e_s or 0 for r in timed)
+            if timed else 0.0)
+    text = (f"long-prompt probes at the deployment's limits: {len(run)} request(s) of "
+            f"{', '.join(map(str, run)) or '-'} prompt tokens, {total} prompt tokens in all "
+            "(each prefilled once and its KV moved to decode; 4 new tokens each)")
+    if rate > 0:
+        text += (f"; at the {rate:.0f} prompt tokens/s the victims achieved, about "
+                 f"{total / rate:.0f} s")
+    if skipped:
+        text += (f"; not sent (over --max-probe-tokens {cap}): "
+                 f"{', '.join(map(str, skipped))} tokens")
+    return text
 
 
 def spoof_fake_bootstrap_host(ctx: Ctx) -> None:
@@ -436,7 +479,7 @@ def spoof_fake_bootstrap_host(ctx: Ctx) -> None:
     the client's bootstrap host into the request, skips the KV transfer (``fake/conn.py``) and
     decodes over pages nobody wrote for this request: HTTP 200 whose tokens are the victims'
     (a leak naming the victim). Expected: an explicit 400 (the host is server-internal).
-    Probes UPSTREAM-GAPS 1, "fake transfer reachable by clients".
+    Probes upstream-gaps 1, "fake transfer reachable by clients".
     """
     limit, _ = _pair_limit(ctx)
     _victims(ctx, ctx.knobs.victims, min(limit - 1, 200))
@@ -459,7 +502,7 @@ def spoof_health_check_rid(ctx: Ctx) -> None:
     is not at risk on this harness (the checksum is off by default and CUDA-only), so stock
     0.5.23 is expected to answer identical or ``unproven`` (its transfer metrics skip the rid);
     sglang-pdsafe refuses the rid with an explicit 400. A leak would only appear together with a
-    corruption fault (not implemented yet). Probes UPSTREAM-GAPS 1 (client-reachable
+    corruption fault (not implemented yet). Probes upstream-gaps 1 (client-reachable
     ``HEALTH_CHECK`` prefix) and 3 (checksum fails open for that prefix).
     """
     limit, _ = _pair_limit(ctx)
@@ -483,7 +526,7 @@ def room_duplicate_concurrent(ctx: Ctx) -> None:
     (no generation, no owner), so two requests sharing a room can receive each other's KV or
     strand one another. A leak: request A's answer carries B's canary tokens (the report names
     B). A hang: one of the pair never gets its KV. Expected: both answers identical, or an
-    explicit error for the one that cannot be told apart. Probes UPSTREAM-GAPS 2 (room ids are
+    explicit error for the one that cannot be told apart. Probes upstream-gaps 2 (room ids are
     client supplied, no generation on KV_STATUS / aux data).
     """
     limit, _ = _pair_limit(ctx)
@@ -506,7 +549,7 @@ def room_replay(ctx: Ctx) -> None:
     Upstream forgets nothing about a finished room on purpose (re-bootstrap reuses rooms), so a
     replay may meet state the first request left (stale transfer info, stale aux row): a leak
     is B answered with A's tokens, a hang B's decode leg waiting for a transfer that prefill
-    thinks it already did. Expected: B identical or an explicit error. Probes UPSTREAM-GAPS 2.
+    thinks it already did. Expected: B identical or an explicit error. Probes upstream-gaps 2.
     """
     limit, _ = _pair_limit(ctx)
     for i in range(ctx.knobs.attacks):
@@ -538,7 +581,7 @@ def room_n_greater_1(ctx: Ctx) -> None:
     sample, a sample missing from the list is broken). A leak: a sample that differs from the
     reference (the canary names whose KV it was decoded over); a hang: no answer within the
     bound. Expected of the fork: an explicit 400 (``n>1`` refused in PD mode, room guard) and
-    the normal requests identical. Probes UPSTREAM-GAPS 2 (room ids client or router
+    the normal requests identical. Probes upstream-gaps 2 (room ids client or router
     supplied, no generation on KV_STATUS / aux data).
     """
     limit, _ = _pair_limit(ctx)
@@ -570,7 +613,7 @@ def divergence_auto_truncate(ctx: Ctx) -> None:
     not write still hold B's KV, and A's answer is HTTP 200 with B's canary tokens (the leak
     names B). Expected: an explicit error (the fork refuses to pair legs whose context lengths
     differ, and its coverage attestation refuses the commit) or A's own reference answer. Each
-    round streams A once and not once when there is a router. Probes UPSTREAM-GAPS 1, "no
+    round streams A once and not once when there is a router. Probes upstream-gaps 1, "no
     coverage handshake".
     """
     limit, info = _pair_limit(ctx)
@@ -598,7 +641,7 @@ def divergence_context_length(ctx: Ctx) -> None:
     the wrong positions). Expected: an explicit error (the fork refuses to pair legs whose
     context lengths differ; with that check skipped, its coverage attestation refuses the
     commit) or A's own reference answer; normal requests follow on the same stack. Probes
-    UPSTREAM-GAPS 1, "no coverage handshake", and the context length the legs never compare.
+    upstream-gaps 1, "no coverage handshake", and the context length the legs never compare.
     """
     limit, info = _pair_limit(ctx)
     lengths = (CTX_DIV_PREFILL_CONTEXT - 1, 200)
@@ -626,7 +669,7 @@ def divergence_chat_template(ctx: Ctx) -> None:
     answer is HTTP 200 with other content (a leak). Expected: an explicit error (the fork
     compares the chat-template digests when decode pairs and refuses the pair; its coverage
     attestation would refuse the commit) or A's reference answer; normal requests follow.
-    Probes UPSTREAM-GAPS 1, "no coverage handshake", and the chat template the legs never
+    Probes upstream-gaps 1, "no coverage handshake", and the chat template the legs never
     compare.
     """
     limit, info = _pair_limit(ctx)
@@ -805,7 +848,7 @@ def late_write_past_release_timeout(ctx: Ctx) -> None:
     ``late-victim``). Expected: B reference-identical, explicit refusals before that allowed
     (the fork quarantines V's pages until the drain ACK and refuses new requests with 503 while
     the quarantine is over its limit; the retries are counted as explicit errors). V's own
-    answer is an explicit error (it was aborted). Probes UPSTREAM-GAPS "fail-open drain
+    answer is an explicit error (it was aborted). Probes upstream-gaps "fail-open drain
     timeout" (distributed use-after-free). The cell is an ``error`` (not a pass) when the
     choreography did not happen: the write not past the abort and the timeout, B not on V's
     pages. Does not prove every late write is fenced: not the aux/metadata slot, the staging
@@ -929,7 +972,7 @@ def abort_request(url: str, rid: str | None = None, *, abort_all: bool = False) 
     with ``abort_all``); the HTTP status, 0 when the server did not answer."""
     body: dict[str, Any] = {"abort_all": True} if abort_all else {"rid": rid}
     try:
-        return requests.post(url + ABORT_PATH, json=body, timeout=30).status_code
+        return transport.post(url + ABORT_PATH, json=body, timeout=30).status_code
     except requests.RequestException:
         return 0
 
@@ -940,7 +983,7 @@ def pd_load(url: str) -> dict[str, int]:
     queue lengths (``prefill_bootstrap_queue_reqs``, ``decode_prealloc_queue_reqs``,
     ``decode_transfer_queue_reqs``, ...); ``{}`` when unreadable."""
     try:
-        body = requests.get(url + "/v1/loads", timeout=10).json()
+        body = transport.get(url + "/v1/loads", timeout=10).json()
     except (requests.RequestException, ValueError):
         return {}
     out: dict[str, int] = {}
@@ -1023,7 +1066,7 @@ def abort_bootstrap(ctx: Ctx) -> None:
     never get through bootstrap (measured with stock: docs/benchmark.md). A leak: a normal
     request's answer carries the aborted request's canary tokens (the late prefill leg wrote
     into pages the aborted decode leg had reserved, after decode released them: the prefill
-    still holds the room's stale page indices). Probes UPSTREAM-GAPS 1 "peer not told" (a
+    still holds the room's stale page indices). Probes upstream-gaps 1 "peer not told" (a
     request dropped at one leg leaves the other waiting for its timeout) and 2 (room ids are
     client supplied, no generation: the late leg meets the aborted leg's room state).
     """
@@ -1098,7 +1141,7 @@ def abort_prealloc(ctx: Ctx) -> None:
     requests identical. A hang: the prefill leg of a request aborted on decode only, never told
     (it waits for its 300 s bootstrap timeout). A leak: a normal request's answer carries an
     aborted request's canary tokens (the aborted request got pages after all and its KV was
-    written into them after they were handed on). Probes UPSTREAM-GAPS 1 "peer not told" and 2
+    written into them after they were handed on). Probes upstream-gaps 1 "peer not told" and 2
     (deferred release only covers requests whose pages were announced to the prefill: a
     pre-allocation abort is released at once). A deployment whose decode pool would need more
     than ``MAX_HOLDERS`` holders makes the cell an ``error`` saying so.
@@ -1136,7 +1179,7 @@ def abort_prealloc(ctx: Ctx) -> None:
                   lambda: Answer(status=None), owner)
         attacks.append((job, rid, _pd_body(ctx, p, ctx.knobs.max_new, rid)))
     normals = _normals(ctx, "during", ctx.knobs.attacks, limit)
-    before = read_counters(t.prefill_url, t.decode_url)
+    before = read_counters(*t.counter_urls())
     t0 = time.monotonic()
     width = n_hold + 2 * len(attacks) + len(normals)
     with ThreadPoolExecutor(max_workers=width) as ex:
@@ -1205,7 +1248,7 @@ def abort_mid_transfer(ctx: Ctx) -> None:
     prefill. A leak: B's HTTP 200 answer carries V's tokens (the report names ``late-victim``):
     the prefill acknowledged the abort (or decode released V's pages) before the held write
     drained, so it landed in B's pages. Stock is expected safe (its drain accounting survives
-    the sender's clear, and the write lands within the timeout). Probes UPSTREAM-GAPS 2 (abort
+    the sender's clear, and the write lands within the timeout). Probes upstream-gaps 2 (abort
     during transfer: prefill source pages freed immediately on failure, the deferred release's
     ACK). The cell is an ``error`` when the choreography did not happen (the prefill abort not
     before the late write, the write not after decode's abort, B not on V's pages). Harness
@@ -1234,7 +1277,7 @@ def abort_after_transfer_before_commit(ctx: Ctx) -> None:
     decode committed and decoded the aborted request anyway (it already counted as
     transferred) while its pages were released and handed on, or released the pages while the
     request still ran. A hang: the aborted request never answered (its Failed poll never
-    handled). Probes the decode release of a finished-but-uncommitted transfer (UPSTREAM-GAPS 2:
+    handled). Probes the decode release of a finished-but-uncommitted transfer (upstream-gaps 2:
     deferred release and its ACK for a room the prefill already concluded; 4: the allocator
     keeps no owner, so a double release is silent). The cell is an ``error`` when no aborted
     request left the park without a commit (the abort came too late). Harness only.
@@ -1260,7 +1303,7 @@ def abort_after_transfer_before_commit(ctx: Ctx) -> None:
     control = ctx.direct("parked-control", p, canary=owner, rid=control_rid)
     control.path = f"pd-direct (parked {PARK_COMMIT_S:g}s, not aborted)"
     normals = _normals(ctx, "during", ctx.knobs.attacks, limit)
-    before = read_counters(t.prefill_url, t.decode_url)
+    before = read_counters(*t.counter_urls())
     t0 = time.monotonic()
     aborted: dict[str, tuple[int, float]] = {}
     sent = [*attacks.values(), control]
@@ -1317,6 +1360,7 @@ def _cut_stream(url: str, body: dict[str, Any], bound_s: float, *,
 
     try:
         with requests.Session() as s, s.post(url + "/generate", json=body, stream=True,
+                                             headers=transport.auth().for_path("/generate"),
                                              timeout=(client.CONNECT_TIMEOUT_S, bound_s)) as r:
             if r.status_code != 200:
                 try:
@@ -1337,8 +1381,9 @@ def _cut_stream(url: str, body: dict[str, Any], bound_s: float, *,
                     break
                 chunk = json.loads(data)
                 if "error" in chunk or chunk.get("object") == "error":
-                    return Answer(status=200, in_band_abort=True, message=error_message(chunk),
-                                  stream=True, e2e_s=took()), False
+                    return Answer(status=200, in_band_abort=True,
+                                  message=transport.error_message(chunk), stream=True,
+                                  e2e_s=took()), False
                 last = chunk
                 ids = list(chunk.get("output_ids") or [])
                 if (after_tokens is not None and len(ids) >= after_tokens) or \
@@ -1418,7 +1463,7 @@ def abort_during_decode(ctx: Ctx) -> None:
     or a normal request's answer carries a cut request's canary tokens (pages freed while a
     decode step of the cut request still wrote them, handed to the normal request). A hang: a
     leg of a cut request that never answered. Probes the decode-side release of an aborted
-    running request (UPSTREAM-GAPS 4: the allocator keeps no owner or generation; freed pages
+    running request (upstream-gaps 4: the allocator keeps no owner or generation; freed pages
     are merged and reused soon in PD mode).
     """
     limit, info = _pair_limit(ctx)
@@ -1478,7 +1523,7 @@ def _corruption(ctx: Ctx, what: str) -> None:
     tokens (a leak: a corrupted answer the client cannot tell from a good one). Expected of
     the fork: an explicit 500 "KV integrity check failed" for every corrupted request, and the
     normal requests after it identical (no false alarm, pages reused cleanly). Probes
-    UPSTREAM-GAPS 3 (checksum off by default, CUDA-only, fails open). Harness only (a
+    upstream-gaps 3 (checksum off by default, CUDA-only, fails open). Harness only (a
     server-side fault).
     """
     mode, _ = CORRUPTIONS[what]

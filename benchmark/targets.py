@@ -23,30 +23,20 @@ report a ``+pdsafe`` version (or a ``fork`` target whose servers do not) raises
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import requests
-from pdsafe_testkit.servers import (
-    DEFAULT_MODEL,
-    PDStack,
-    ServerConfig,
-    SGLangServer,
-    StartupError,
-    colocated_server,
-    pd_stack,
-)
 
-from benchmark.base_tree import BaseTree
+from benchmark import transport
 from benchmark.canary import CanaryBook
 
 if TYPE_CHECKING:
     from pdsafe_testkit.late_write import Trio
+    from pdsafe_testkit.servers import PDStack
 
 FORK_LABEL = "+pdsafe"
 REFERENCE_POOL = 8192
@@ -169,12 +159,12 @@ STACK_KINDS: dict[str, StackKind] = {k.name: k for k in (
 
 
 def server_info(url: str) -> dict[str, Any]:
-    return requests.get(url + "/server_info", timeout=30).json()
+    return transport.get(url + "/server_info", timeout=30).json()
 
 
 def model_info(url: str) -> dict[str, Any]:
     try:
-        return requests.get(url + "/model_info", timeout=30).json()
+        return transport.get(url + "/model_info", timeout=30).json()
     except (requests.RequestException, ValueError):
         return {}
 
@@ -250,6 +240,11 @@ class PDTarget:
     #: Roles a scenario killed on purpose (``crash-prefill-mid-transfer``): still reported by
     #: ``down`` (the stack must be restarted before another scenario), but not a crash.
     killed: set[str] = field(default_factory=set)
+    #: Further prefill and decode instances behind the router (deployment mode; roles
+    #: ``prefill-2``, ``decode-2``, ...). Requests sent to the legs directly go to the first
+    #: pair (``prefill_url``, ``decode_url``); evidence, limits and health cover them all.
+    extra_prefills: list[str] = field(default_factory=list)
+    extra_decodes: list[str] = field(default_factory=list)
 
     def words(self) -> dict[int, str]:
         """id -> word of the served model's word-level vocabulary (harness targets only: the
@@ -260,17 +255,24 @@ class PDTarget:
 
     def served_model(self) -> str:
         """The model id decode serves (``/v1/models``), for OpenAI-style requests."""
-        data = requests.get(self.decode_url + "/v1/models", timeout=30).json()
+        data = transport.get(self.decode_url + "/v1/models", timeout=30).json()
         return str(data["data"][0]["id"])
 
     def limits(self) -> dict[str, SideLimits]:
-        return {"prefill": side_limits(self.prefill_url), "decode": side_limits(self.decode_url)}
+        """Each prefill's and decode's prompt limits, by role (``prefill``, ``prefill-2``...;
+        a ``late_write`` stack: the pair that takes direct requests)."""
+        if self.trio is not None:
+            return {"prefill": side_limits(self.prefill_url),
+                    "decode": side_limits(self.decode_url)}
+        return {role: side_limits(u) for role, u in self.urls().items()
+                if role.startswith(("prefill", "decode"))}
 
     def urls(self) -> dict[str, str]:
         """Role -> URL of every server of the target (the reference not included)."""
         if self.trio is not None:
             return {role: s.url for role, s in self.trio.servers().items()}
-        urls = {"prefill": self.prefill_url, "decode": self.decode_url}
+        urls = _roles("prefill", [self.prefill_url, *self.extra_prefills])
+        urls.update(_roles("decode", [self.decode_url, *self.extra_decodes]))
         if self.router_url:
             urls["router"] = self.router_url
         return urls
@@ -280,13 +282,24 @@ class PDTarget:
         return [u for role, u in self.urls().items()
                 if role.startswith("prefill") and role not in self.killed]
 
+    def live_decode_urls(self) -> list[str]:
+        return [u for role, u in self.urls().items()
+                if role.startswith("decode") and role not in self.killed]
+
+    def counter_urls(self) -> tuple[list[str], list[str]]:
+        """(prefills, decodes) whose transfer counters prove a phase's transfers: every
+        instance behind the router (a ``late_write`` stack: its ``other`` prefill only; its
+        scenarios name the prefills they read themselves)."""
+        return ([self.prefill_url, *self.extra_prefills],
+                [self.decode_url, *self.extra_decodes])
+
     def down(self) -> list[str]:
         """The roles (prefill, decode, router; ``prefill-held``, ``prefill-other``, decode on a
         ``late_write`` stack) whose /health does not answer 200 now."""
         out = []
         for role, u in self.urls().items():
             try:
-                if requests.get(u + "/health", timeout=10).status_code != 200:
+                if transport.get(u + "/health", timeout=10).status_code != 200:
                     out.append(role)
             except requests.RequestException:
                 out.append(role)
@@ -309,130 +322,41 @@ class PDTarget:
     def describe(self) -> dict[str, Any]:
         return {"variant": self.variant, "backend": self.backend, "page_size": self.page_size,
                 "kind": self.kind, "prefill": self.prefill_url, "decode": self.decode_url,
+                "extra_prefills": self.extra_prefills, "extra_decodes": self.extra_decodes,
                 "router": self.router_url, "versions": self.versions, "logs": self.logs()}
 
 
-def vocab_size(model_path: Path = DEFAULT_MODEL) -> int:
-    import json
-
-    return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
-
-
-class Harness:
-    """Starts and stops the CPU harness's servers for both variants (one reference server)."""
-
-    def __init__(self, log_dir: Path, *, base: BaseTree | None, model: Path = DEFAULT_MODEL,
-                 reference_variant: str = "fork") -> None:
-        self.log_dir, self.base, self.model = log_dir, base, model
-        self.reference_variant = reference_variant
-        self._ref_cm: Any = None
-        self.reference: SGLangServer | None = None
-        self.reference_version = ""
-        self.vocab = vocab_size(model)
-
-    def env(self, variant: str) -> dict[str, str]:
-        if variant == "base":
-            if self.base is None:
-                raise ValueError("base variant requested without a base tree")
-            return self.base.env()
-        return {}
-
-    def start_reference(self) -> str:
-        """Start the co-located reference (greedy oracle); return its URL."""
-        if self.reference is None:
-            cfg = ServerConfig(role="colocated", model_path=self.model,
-                               max_total_tokens=REFERENCE_POOL,
-                               env=self.env(self.reference_variant))
-            self._ref_cm = colocated_server(self.log_dir, cfg)
-            self.reference = self._ref_cm.__enter__()
-            self.reference_version = verify_variant({"reference": self.reference.url},
-                                                    self.reference_variant)["reference"]
-        return self.reference.url
-
-    def stop_reference(self) -> None:
-        if self._ref_cm is not None:
-            cm, self._ref_cm, self.reference = self._ref_cm, None, None
-            cm.__exit__(None, None, None)
-
-    @contextlib.contextmanager
-    def stack(self, variant: str, backend: str, page_size: int, kind: str | StackKind, *,
-              env: dict[str, str] | None = None):
-        """Start one PD stack of ``kind`` (a ``STACK_KINDS`` name, or a ``StackKind`` of the
-        caller's own) for ``variant``; yield its ``PDTarget``; stop it. ``env``: extra
-        environment for both legs (after the variant's own; e.g. a pdsafe setting that both
-        legs must agree on); not supported for the ``late_write`` stack."""
-        k = kind if isinstance(kind, StackKind) else STACK_KINDS[kind]
-        kind = k.name
-        if k.late_write_trio:
-            if env:
-                raise ValueError("extra env is not supported for the late_write stack")
-            with self._late_write_stack(variant, backend, page_size, kind) as target:
-                yield target
-            return
-
-        def cfg(role: str, pool: int) -> ServerConfig:
-            extra: list[str] = []
-            if k.chat_templates:
-                tpl = self.log_dir / f"chat-template-{role}.jinja"
-                tpl.write_text(chat_template_text(CHAT_SUFFIX[role], word_vocab(self.model)))
-                extra = ["--chat-template", str(tpl)]
-            env_ = dict(self.env(variant))
-            env_.update(env or {})
-            if role == "decode" and k.decode_faults:
-                env_["SGLANG_PDSAFE_TEST_FAULTS"] = k.decode_faults
-            return ServerConfig(role=role, model_path=self.model, backend=backend,
-                                max_total_tokens=pool, page_size=page_size,
-                                context_length=k.context_length(role),
-                                allow_auto_truncate=k.auto_truncate, extra_args=extra,
-                                env=env_)
-
-        with pd_stack(backend, self.log_dir, prefill=cfg("prefill", k.prefill_pool),
-                      decode=cfg("decode", k.decode_pool), with_router=k.router) as st:
-            urls = {"prefill": st.prefill.url, "decode": st.decode.url}
-            versions = verify_variant(urls, variant)
-            assert st.prefill.bootstrap_port is not None
-            yield PDTarget(variant, backend, page_size, kind, st.prefill.url, st.decode.url,
-                           st.router.url if st.router else None, "127.0.0.1",
-                           st.prefill.bootstrap_port, versions, CanaryBook(self.vocab), st)
-
-    @contextlib.contextmanager
-    def _late_write_stack(self, variant: str, backend: str, page_size: int,
-                          kind: str) -> Iterator[PDTarget]:
-        """The ``late_write`` stack (``pdsafe_testkit.late_write.late_write_stack``): the
-        test-only fault is armed here, on harness servers only."""
-        from pdsafe_testkit.late_write import late_write_stack
-
-        with late_write_stack(backend, self.log_dir, self.model, self.env(variant),
-                              held_s=LATE_HOLDS_S["held"], other_s=LATE_HOLDS_S["other"],
-                              page_size=page_size) as trio:
-            versions = verify_variant({"prefill": trio.held.url, "prefill_other": trio.other.url,
-                                       "decode": trio.decode.url}, variant)
-            assert trio.other.bootstrap_port is not None
-            yield PDTarget(variant, backend, page_size, kind, trio.other.url, trio.decode.url,
-                           None, "127.0.0.1", trio.other.bootstrap_port, versions,
-                           CanaryBook(self.vocab), trio.pair(trio.other), trio=trio)
+def _roles(role: str, urls: list[str]) -> dict[str, str]:
+    """``{"prefill": u1, "prefill-2": u2, ...}``."""
+    return {(role if i == 0 else f"{role}-{i + 1}"): u for i, u in enumerate(urls)}
 
 
-def deployment_target(prefill: str, decode: str, router: str | None, *,
-                      bootstrap_host: str | None = None, label: str | None = None,
+def deployment_target(prefills: str | list[str], decodes: str | list[str], router: str | None,
+                      *, bootstrap_host: str | None = None, label: str | None = None,
                       vocab: int | None = None) -> PDTarget:
-    """A target for an existing deployment (nothing started). Backend, page size, bootstrap
-    port and the variant label come from the prefill's ``/server_info``."""
-    prefill, decode = prefill.rstrip("/"), decode.rstrip("/")
-    pi, di = server_info(prefill), server_info(decode)
+    """A target for an existing deployment (nothing started): one or several prefill and
+    decode instances (``prefills[0]`` / ``decodes[0]`` take the requests sent to the legs
+    directly). Backend, page size, bootstrap port and the variant label come from the first
+    prefill's and decode's ``/server_info``; the preflight (``benchmark.preflight``) checks
+    that every instance agrees."""
+    ps = [u.rstrip("/") for u in ([prefills] if isinstance(prefills, str) else prefills)]
+    ds = [u.rstrip("/") for u in ([decodes] if isinstance(decodes, str) else decodes)]
+    if not ps or not ds:
+        raise ValueError("a deployment needs at least one prefill and one decode URL")
+    pi, di = server_info(ps[0]), server_info(ds[0])
     port = pi.get("disaggregation_bootstrap_port")
     if not isinstance(port, int):
-        raise ValueError(f"{prefill}/server_info has no disaggregation_bootstrap_port "
+        raise ValueError(f"{ps[0]}/server_info has no disaggregation_bootstrap_port "
                          f"(is it a prefill server?): mode {pi.get('disaggregation_mode')}")
-    host = bootstrap_host or urlparse(prefill).hostname or "127.0.0.1"
+    host = bootstrap_host or urlparse(ps[0]).hostname or "127.0.0.1"
     versions = {"prefill": str(pi.get("version")), "decode": str(di.get("version"))}
     variant = label or variant_of(versions["decode"])
     if vocab is None:
         vocab = _vocab_of(di)
     return PDTarget(variant, str(pi.get("disaggregation_transfer_backend")),
-                    int(pi.get("page_size") or 1), "deployed", prefill, decode,
+                    int(pi.get("page_size") or 1), "deployed", ps[0], ds[0],
                     router.rstrip("/") if router else None, host, port, versions,
-                    CanaryBook(vocab))
+                    CanaryBook(vocab), extra_prefills=ps[1:], extra_decodes=ds[1:])
 
 
 def _vocab_of(info: dict[str, Any]) -> int:
@@ -459,7 +383,6 @@ def wait_until(pred, timeout: float, poll: float = 0.5) -> bool:
 
 
 __all__ = ["CHAT_SUFFIX", "CTX_DIV_PREFILL_CONTEXT", "LATE_HOLDS_S", "PARK_COMMIT_S",
-           "STACK_KINDS", "Harness",
-           "PDTarget",
-           "SideLimits", "StackKind", "StartupError", "VariantMismatch", "chat_template_text",
-           "deployment_target", "side_limits", "variant_of", "verify_variant", "word_vocab"]
+           "STACK_KINDS", "PDTarget", "SideLimits", "StackKind", "VariantMismatch",
+           "chat_template_text", "deployment_target", "side_limits", "variant_of",
+           "verify_variant", "word_vocab"]

@@ -29,7 +29,7 @@ quiet() { grep -v -e "^WARNING: Location 'file:" -e '^  WARNING: Location' || tr
 
 echo "== CPU profile (requirements/cpu.txt)"
 "${PIP[@]}" install -q -c "$C" -r requirements/cpu.txt 2>&1 | quiet
-# Installed without dependencies, as CPU-NOTES.md explains: nixl's meta package would pull
+# Installed without dependencies, as docs/cpu.md explains: nixl's meta package would pull
 # both CUDA flavours of the plugin, torchvision's would re-resolve torch.
 "${PIP[@]}" install -q --no-deps -c "$C" nixl==1.5.1 torchvision==0.28.0 2>&1 | quiet
 profile_done=$(date +%s)

@@ -72,7 +72,7 @@ import torch.nn.functional as F
 
 
 def _define_torchvision_op_schemas() -> None:
-    """Let a CUDA-only ``torchvision`` wheel import beside CPU torch (see shared/CPU-NOTES.md).
+    """Let a CUDA-only ``torchvision`` wheel import beside CPU torch (see docs/cpu.md).
 
     transformers imports torchvision when it is installed; its ``_meta_registrations`` need the
     ``torchvision::nms``/``qnms`` schemas, which a CPU torch lacks. Defining them is harmless and

@@ -53,6 +53,8 @@ ROOT = Path(__file__).resolve().parent.parent
 REPORT_ENV = "UPSTREAM_UNIT_TESTS_REPORT"
 DOC_BEGIN = "<!-- upstream-unit-tests:table:begin -->"
 DOC_END = "<!-- upstream-unit-tests:table:end -->"
+INV_BEGIN = "<!-- upstream-unit-tests:inventory:begin -->"
+INV_END = "<!-- upstream-unit-tests:inventory:end -->"
 CPU_SUBJECT = re.compile(r"^(cpu:|.*\bCPU\b)")
 SUBTESTS_FAILED = "subtests failed (see their rows)"
 
@@ -186,6 +188,106 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
         Path(path).write_text(json.dumps(_RESULTS, indent=1, sort_keys=True))
 
 
+# --------------------------------------------------------------------------- the inventory
+def _load_ci_register(tree: Path) -> Any:
+    """Upstream's own CI registration parser (``sglang/test/ci/ci_register.py`` of ``tree``),
+    loaded from its file: it needs only the standard library, not sglang."""
+    path = tree / "python" / "sglang" / "test" / "ci" / "ci_register.py"
+    spec = importlib.util.spec_from_file_location("_upstream_ci_register", path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"no ci_register.py in {tree}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _defined(module_file: Path) -> set[str]:
+    """Top-level names a module defines (functions, classes, assignments, imports)."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.parse(module_file.read_text(errors="replace")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for tg in targets for n in ast.walk(tg) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def _module_file(tree: Path, module: str) -> Path | None:
+    """The file of ``module`` in ``tree`` (a package without ``__init__.py``: its directory)."""
+    base = tree / "python" / Path(*module.split("."))
+    for cand in (base.with_suffix(".py"), base / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return base if base.is_dir() else None
+
+
+def missing_imports(test_file: Path, tree: Path) -> list[str]:
+    """The ``sglang`` modules and names ``test_file`` imports that ``tree`` lacks (static:
+    a test version written for another release names what 0.5.23 does not have)."""
+    import ast
+
+    out: list[str] = []
+    for node in ast.walk(ast.parse(test_file.read_text(errors="replace"))):
+        if isinstance(node, ast.Import):
+            mods = [a.name for a in node.names if a.name.split(".")[0] == "sglang"]
+            out += [m for m in mods if _module_file(tree, m) is None]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "sglang":
+            mf = _module_file(tree, node.module or "")
+            if mf is None:
+                out.append(node.module or "")
+                continue
+            have = _defined(mf) if mf.is_file() else set()
+            out += [f"{node.module}.{a.name}" for a in node.names
+                    if a.name != "*" and a.name not in have
+                    and _module_file(tree, f"{node.module}.{a.name}") is None]
+    return sorted(set(out))
+
+
+def inventory(tests: Path, tree: Path) -> list[dict[str, Any]]:
+    """Every ``test_*.py`` of ``tests``: upstream's CPU registration (``register_cpu_ci``, read
+    by the tree's own ``ci_register.ut_parse_one_file``), and what it imports that ``tree``
+    lacks. ``run`` is True for the files the comparison runs: registered for CPU (not
+    disabled) and importable on the pinned release."""
+    ci = _load_ci_register(tree)
+    rows = []
+    for f in sorted(tests.glob("test_*.py")):
+        regs, _ = ci.ut_parse_one_file(str(f))
+        cpu = [r for r in regs if r.backend == ci.HWBackend.CPU]
+        enabled = [r for r in cpu if r.disabled is None]
+        absent = missing_imports(f, tree)
+        rows.append({
+            "file": f.name,
+            "cpu": bool(cpu), "cpu_enabled": bool(enabled),
+            "suites": sorted({str(r.effective_suite) for r in enabled}),
+            "other_backends": sorted({r.backend.name for r in regs} - {"CPU"}),
+            "missing_imports": absent,
+            "run": bool(enabled) and not absent,
+        })
+    return rows
+
+
+def render_inventory(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{sum(r['run'] for r in rows)} of {len(rows)} files run: registered for CPU and "
+             "importable on the pinned release.", "",
+             "| file | upstream CI registration | imports missing from the pinned release | run |",
+             "|---|---|---|---|"]
+    for r in rows:
+        reg = ("CPU (" + ", ".join(r["suites"]) + ")" if r["cpu_enabled"] else
+               "CPU, disabled" if r["cpu"] else
+               "not CPU: " + (", ".join(r["other_backends"]) or "none"))
+        miss = ", ".join(f"`{m}`" for m in r["missing_imports"][:4]) or "-"
+        if len(r["missing_imports"]) > 4:
+            miss += f" (+{len(r['missing_imports']) - 4})"
+        lines.append(f"| `{r['file']}` | {reg} | {miss} | {'yes' if r['run'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
 # --------------------------------------------------------------------------- the runner
 def _run(cmd: list[str], cwd: Path, **kw: Any) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, text=True, capture_output=True, **kw)
@@ -294,7 +396,8 @@ def _shim_dir(out: Path) -> Path | None:
 
 
 def run_pytest(name: str, tree: Path, tests: Path, out: Path, python: str,
-               extra: list[str]) -> tuple[dict[str, dict[str, str]], float, int]:
+               extra: list[str], files: list[str] | None = None
+               ) -> tuple[dict[str, dict[str, str]], float, int]:
     report = out / f"results-{name}.json"
     report.unlink(missing_ok=True)
     paths = [str(tree / "python"), str(Path(__file__).resolve().parent)]
@@ -317,7 +420,7 @@ def run_pytest(name: str, tree: Path, tests: Path, out: Path, python: str,
            f"--junitxml={out / f'junit-{name}.xml'}", "-o", "junit_family=xunit2"]
     if importlib.util.find_spec("pytest_timeout") is not None:
         cmd += ["-o", "timeout=300"]
-    cmd += [*extra, str(tests)]
+    cmd += [*extra, *([str(tests / f) for f in files] if files is not None else [str(tests)])]
     t0 = time.monotonic()
     with open(out / f"pytest-{name}.log", "w") as log:
         rc = subprocess.run(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -413,13 +516,13 @@ def render(rows: list[tuple[str, str, str, str]], cats: dict[str, list[str]],
     return "\n".join(lines) + "\n"
 
 
-def update_doc(doc: Path, table: str) -> None:
+def update_doc(doc: Path, table: str, begin: str = DOC_BEGIN, end: str = DOC_END) -> None:
     text = doc.read_text()
-    if DOC_BEGIN not in text or DOC_END not in text:
-        raise RuntimeError(f"{doc} has no {DOC_BEGIN} ... {DOC_END} region")
-    head, rest = text.split(DOC_BEGIN, 1)
-    _, tail = rest.split(DOC_END, 1)
-    doc.write_text(f"{head}{DOC_BEGIN}\n{table}{DOC_END}{tail}")
+    if begin not in text or end not in text:
+        raise RuntimeError(f"{doc} has no {begin} ... {end} region")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(f"{head}{begin}\n{table}{end}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -431,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stock-upto", help="last patch of the stock tree (number or name prefix; "
                     "default: the leading patches whose subject says CPU)")
     ap.add_argument("--update-doc", type=Path, help="rewrite the table region of this file")
+    ap.add_argument("--all-files", action="store_true",
+                    help="run every test_*.py of TESTS_DIR, not only the ones upstream registers "
+                    "for CPU and the pinned release can import (the inventory)")
     ap.add_argument("--report-only", action="store_true",
                     help="rebuild the table from the results already in --out (no trees, no "
                     "pytest)")
@@ -455,9 +561,13 @@ def main(argv: list[str] | None = None) -> int:
         meta["rev"] = args.rev
         print(f"trees in {out} ({meta['seconds']} s); stock = {', '.join(meta['stock_patches'])}",
               flush=True)
+        inv = inventory(tests, out / "stock")
+        meta["inventory"] = inv
+        (out / "inventory.md").write_text(render_inventory(inv))
+        files = None if args.all_files else [r["file"] for r in inv if r["run"]]
         results = {}
         for name in ("stock", "fork"):
-            res, seconds, rc = run_pytest(name, out / name, tests, out, python, extra)
+            res, seconds, rc = run_pytest(name, out / name, tests, out, python, extra, files)
             results[name] = res
             meta[f"{name}_seconds"] = seconds
             print(f"pytest on {name}: exit {rc}, {len(res)} rows, {seconds:.0f} s", flush=True)
@@ -476,6 +586,8 @@ def _report(results: dict[str, dict[str, dict[str, str]]], meta: dict[str, Any],
     print(table)
     if doc:
         update_doc(doc.resolve(), table)
+        if meta.get("inventory") is not None:
+            update_doc(doc.resolve(), render_inventory(meta["inventory"]), INV_BEGIN, INV_END)
         print(f"updated {doc}")
     for key in cats["regression"]:
         print(f"REGRESSION {key}: {results['fork'].get(key, {}).get('message', 'absent')}",

@@ -79,7 +79,7 @@ def test_registered_as_designed() -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_docstrings_say_phase_leak_and_gap(name: str) -> None:
     doc = SCENARIOS[name].doc
-    assert "leak" in doc.lower() and "UPSTREAM-GAPS" in doc, name
+    assert "leak" in doc.lower() and "upstream-gaps" in doc, name
     assert "abort" in doc.lower() or "disconnect" in doc.lower(), name
 
 

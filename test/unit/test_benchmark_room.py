@@ -222,7 +222,7 @@ def test_registered_as_designed() -> None:
     s = SCENARIOS["room-n-greater-1"]
     assert s.implemented and s.family == "room" and s.stack == "default"
     assert applicable(s, deployment=True)[0]  # only what a client can send
-    assert "leak" in s.doc.lower() and "UPSTREAM-GAPS" in s.doc
+    assert "leak" in s.doc.lower() and "upstream-gaps" in s.doc
     assert s.name not in SMOKE_SCENARIOS
     assert list(SCENARIOS)[-1] == s.name  # may take a stock decode down: last on its stack
 
