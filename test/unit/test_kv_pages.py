@@ -15,6 +15,8 @@ from pdsafe_testkit.kv.pages import (
     PageKind,
     apply_bit_flip,
     classify_pages,
+    count_own_rows,
+    encode_rows,
     fill_data_pages,
     fill_poison_pages,
     fill_stale_pages,
@@ -111,3 +113,32 @@ def test_bit_flip_changes_exactly_one_bit_of_the_named_row() -> None:
                 BitFlip(0, 0, NUM_PAGES + 1, 0, 0, 0)):
         with pytest.raises(ValueError):
             apply_bit_flip(bufs, LAYER_KV, PS, bad)
+
+
+def test_vectorized_fills_match_the_row_encoding_and_count_own_rows() -> None:
+    """The fills write one vectorized step per range (issue 22: a million pages), row by row
+    what ``encode_rows`` defines; ``count_own_rows`` (no per-page verdicts) agrees with
+    ``classify_pages`` on partial, foreign, misplaced and unwritten pages."""
+    bufs = _pool()
+    for buf, (layer, kv) in zip(bufs, LAYER_KV, strict=True):
+        want = encode_rows(0x0B150B1502, layer, kv, np.full(PS, 5), np.arange(PS), 8)
+        assert (buf[5 * PS:6 * PS].view(np.uint64) == want).all()
+    fill_stale_pages(bufs, LAYER_KV, [2], PS)
+    fill_data_pages(bufs, LAYER_KV, [6, 2, 7], PS, ROOM_A, 1, 2 * PS + 3)  # partial ends
+    for buf, (layer, kv) in zip(bufs, LAYER_KV, strict=True):
+        rows = buf.view(np.uint64)
+        assert (rows[7 * PS + 2] == encode_rows(0xDA7A5EED01, layer, kv, np.array([ROOM_A]),
+                                                np.array([2 * PS + 2]), 8)[0]).all()
+        assert rows[6 * PS, 1] == 6  # token 0 was not written: still page 6's poison
+    n = 2 * PS + 3
+
+    def counted(pages: list[int], room: int) -> int:
+        return count_own_rows(bufs, LAYER_KV, page_size=PS, pages=pages, room=room,
+                              num_tokens=n)
+
+    assert counted([6, 2, 7], ROOM_A) == (n - 1) * len(LAYER_KV)  # all but token 0
+    assert counted([6, 2, 7], ROOM_B) == 0
+    assert counted([2, 6, 7], ROOM_A) == 3 * len(LAYER_KV)  # only page 7's rows in place
+    fill_data_pages(bufs, LAYER_KV, [6, 2, 7], PS, ROOM_A, 0, 1)
+    assert counted([6, 2, 7], ROOM_A) == n * len(LAYER_KV)
+    assert all(v.kind is PageKind.OWN for v in _classify(bufs, [6, 2, 7], ROOM_A, n))

@@ -288,6 +288,31 @@ def test_snapshot_changed_names_exactly_the_recycled_pages(name):
         page_generation.changed(a, pages[:2], snap)
 
 
+@pytest.mark.parametrize("name", ["token-1", "paged-16"])
+def test_snapshot_keeps_the_page_ids_only(name):
+    """A snapshot copies no per-page generation (issue 22: it kept 24 bytes per page, over
+    the 16 bytes per token budget at page size 1): it keeps its own copy of the page ids (4
+    bytes each) and the table's epoch; a page freed *before* it was taken is not moved, one
+    freed after is, however many frees happened in between."""
+    a, ps = _installed(name)
+    early = _alloc(a, 2)
+    held = _alloc(a, 6)
+    a.free(early[:ps])  # freed before the snapshot: its generation is old news
+    pages = torch.unique(held // ps)
+    snap = page_generation.snapshot(a, pages.numpy())
+    (taken,) = snap.taken
+    assert taken.owner is None and isinstance(taken.epoch, int)
+    assert taken.pages.untyped_storage().nbytes() == 4 * pages.numel()
+    assert taken.pages.data_ptr() != pages.data_ptr()  # its own copy, not the caller's
+    assert page_generation.changed(a, pages, snap) == []
+    for _ in range(3):  # frees of pages the snapshot does not hold move nothing of it
+        a.free(early[ps:])
+        early = _alloc(a, 1)
+    assert page_generation.changed(a, pages, snap) == []
+    a.free(held[4 * ps: 5 * ps])
+    assert page_generation.changed(a, pages, snap) == [int(held[4 * ps]) // ps]
+
+
 def test_mamba_slot_snapshot():
     slots, _ = _installed("mamba-slots")
     held = slots.alloc(3)

@@ -309,3 +309,47 @@ def test_the_cost_table_charges_outermost_calls_once_and_exports_them():
         policy.reset_cost()
         _drop(inner_name)
         _drop(outer_name)
+
+
+def test_the_cost_table_excludes_upstream_work_and_counts_hooks_inside_it_once():
+    """A hook that runs upstream code (a release) through ``policy.run_upstream`` is charged
+    its own time only; a pdsafe hook that the upstream code calls in turn (a free's stamp) is
+    charged to that hook and is not an outermost call of its own (issue 22: hook seconds
+    would otherwise count upstream's release, and the stamp twice)."""
+    import time
+
+    stamp_name, release_name = _name(), _name()
+
+    @hook(stamp_name, outcome=Outcome.REFUSE, counter=FAILED, on_failure=returns(None),
+          effect="stand-in stamp hook")
+    def stamp() -> None:
+        time.sleep(0.02)
+
+    def upstream_release() -> None:
+        time.sleep(0.2)  # upstream's own work
+        stamp()
+
+    @hook(release_name, outcome=Outcome.REFUSE, counter=FAILED, on_failure=returns(None),
+          effect="stand-in release hook")
+    def release() -> None:
+        policy.run_upstream(upstream_release)
+
+    try:
+        policy.reset_cost()
+        policy.measure_cost(True)
+        release()
+        table = policy.hook_cost()
+        calls, ns = table["*"]
+        assert calls == 1  # the stamp ran inside the release: not an outermost call
+        assert table[stamp_name][0] == 1 and table[stamp_name][1] >= 20_000_000
+        # the release's charge: its stamp, not upstream's 0.2 s
+        assert 20_000_000 <= table[release_name][1] < 150_000_000
+        assert ns == table[release_name][1]
+        assert policy.hook_cost_outermost() == {release_name: (1, ns)}  # the partition of "*"
+        policy.measure_cost(False)
+        assert policy.run_upstream(lambda x: x + 1, 1) == 2  # off: just the call
+    finally:
+        policy.measure_cost(False)
+        policy.reset_cost()
+        _drop(stamp_name)
+        _drop(release_name)

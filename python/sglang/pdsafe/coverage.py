@@ -147,7 +147,7 @@ class Coverage:
         return self.first_token_idx + self.token_count
 
 
-def _h63(*parts: bytes) -> int:
+def _h63(*parts: Any) -> int:
     h = hashlib.blake2b(digest_size=8)
     for p in parts:
         h.update(p)
@@ -161,7 +161,9 @@ def token_digest(room: int, token_ids: Sequence[int]) -> int:
     depends on every token before it.
     """
     arr = np.asarray(token_ids, dtype=np.int64)
-    return _h63(b"pdsafe-cov1", (int(room) & _U64).to_bytes(8, "little"), arr.tobytes())
+    # The array's own buffer (no bytes copy of a million-token prompt).
+    return _h63(b"pdsafe-cov1", (int(room) & _U64).to_bytes(8, "little"),
+                np.ascontiguousarray(arr))
 
 
 def bind_generation(digest: int, generation: int) -> int:
@@ -182,9 +184,12 @@ def build_coverage(room: int | None, token_ids: Sequence[int], first_token_idx: 
     """The coverage of positions ``[first, end)`` computed from ``token_ids[:end]``."""
     room = int(room or 0) & _U64
     first = int(first_token_idx)
-    count = max(int(end_token_idx) - first, 0)
+    end = int(end_token_idx)
+    count = max(end - first, 0)
     pages = pages_for(first, count, page_size) if page_count is None else int(page_count)
-    return Coverage(room=room, token_digest=token_digest(room, list(token_ids)[:end_token_idx]),
+    # No copy of the token list unless it is longer than the prefix (a 1M-token prompt).
+    ids = token_ids if len(token_ids) <= end else token_ids[:max(end, 0)]
+    return Coverage(room=room, token_digest=token_digest(room, ids),
                     first_token_idx=first, token_count=count, page_count=pages,
                     page_size=int(page_size))
 
@@ -291,13 +296,14 @@ def verify(row: Sequence[int], reservation: Coverage, rid: str = "?") -> Verdict
 # --------------------------------------------------------------------------- hooks (glue)
 
 
-def decode_token_ids(req: Any, reserved_len: int) -> list[int]:
+def decode_token_ids(req: Any, reserved_len: int) -> Sequence[int]:
     """Tokens decode reserved KV for: the first ``reserved_len`` of prompt + outputs (the
     prompt alone, or prompt and outputs on a re-bootstrap; upstream computes the length)."""
-    ids = list(req.origin_input_ids)
+    ids = req.origin_input_ids
     if reserved_len > len(ids):
-        ids += list(req.output_ids)
-    return ids[:reserved_len]
+        ids = list(ids) + list(req.output_ids)
+    # Read only: the prompt itself when it is exactly the reservation (no 1M-token copy).
+    return ids if len(ids) <= reserved_len else ids[:reserved_len]
 
 
 def _decode_key(decode_req: Any, *_: Any, **__: Any) -> Any:

@@ -232,9 +232,24 @@ def _row_component(name: str, layer: int, space: Space, t: torch.Tensor) -> Comp
     slots = int(t.shape[0])
     ptr = t.data_ptr()
     src = _as_bytes_dtype(t)
-    if src.is_contiguous() and row_bytes > 0:
+    if src.is_contiguous() and row_bytes > 0 and src.device.type == "cpu":
         flat = src.view(torch.uint8).reshape(slots, row_bytes)
-        rows = flat if flat.device.type == "cpu" else None
+        rows = flat
+        flat_np = flat.numpy()
+
+        def gather(idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            # numpy's take copies whole rows (torch's CPU index_select was about ten times
+            # slower on scattered rows: 0.45 s for a fragmented 1M-token request, issue 22).
+            # The indices were range-checked before any row is read (``plan_request``).
+            i = idx.to("cpu", torch.int64).numpy()
+            if out is not None and out.device.type == "cpu":
+                o = out[: i.size]
+                np.take(flat_np, i, axis=0, out=o.numpy(), mode="clip")
+                return o
+            return torch.from_numpy(np.take(flat_np, i, axis=0, mode="clip"))
+    elif src.is_contiguous() and row_bytes > 0:
+        flat = src.view(torch.uint8).reshape(slots, row_bytes)
+        rows = None
 
         def gather(idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
             idx = idx.to(flat.device)
@@ -517,22 +532,60 @@ def leaf_rows(row_bytes: int) -> int:
     return max(1, LEAF_BYTES // max(int(row_bytes), 1))
 
 
-def _runs(idx: np.ndarray) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive slots, in order: (first slot, rows)."""
+def _breaks(idx: np.ndarray) -> np.ndarray:
+    """``breaks[i]``: slot ``i + 1`` does not follow slot ``i`` (a new run starts there)."""
+    return np.diff(idx) != 1
+
+
+def _runs(idx: np.ndarray, breaks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Maximal runs of consecutive slots, in order: (first slot of each, its rows), as int64
+    arrays (vectorized: a fragmented row has as many runs as positions)."""
     if idx.size == 0:
-        return []
-    brk = np.flatnonzero(np.diff(idx) != 1) + 1
-    starts = np.concatenate(([0], brk))
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    brk = _breaks(idx) if breaks is None else breaks
+    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
     lens = np.diff(np.append(starts, idx.size))
-    return list(zip(idx[starts].tolist(), lens.tolist(), strict=True))
+    return idx[starts].astype(np.int64), lens.astype(np.int64)
 
 
-def _leaf_plan(runs: Sequence[tuple[int, int]], rows_per_leaf: int) -> list[list[tuple[int, int]]]:
-    """Split the runs at leaf boundaries: per leaf, its (first slot, rows) pieces."""
+def _pieces(lens: np.ndarray, rows_per_leaf: int) -> int:
+    """How many (leaf, run) pieces :func:`_leaf_plan` would cut runs of ``lens`` rows into
+    (a run spans every leaf its rows fall in), computed without building the plan."""
+    if lens.size == 0:
+        return 0
+    first = np.cumsum(lens) - lens  # stream position of each run's first row
+    t = int(rows_per_leaf)
+    return int(((first + lens - 1) // t - first // t + 1).sum())
+
+
+def _stream_plan(idx: np.ndarray, t: int, path: str, breaks: dict[Space, np.ndarray],
+                 runs: dict[Space, tuple[np.ndarray, np.ndarray]],
+                 space: Space) -> list[list[tuple[int, int]]] | None:
+    """The zero-copy plan of ``idx`` in leaves of ``t`` rows, or None when ``auto`` gathers
+    it instead (more than four pieces per leaf: a fragmented row). Vectorized; the run
+    arrays are built only when the run count allows streaming (memoized per space)."""
+    if space not in breaks:
+        breaks[space] = _breaks(idx)
+    limit = 4 * (-(-idx.size // t))
+    if path == "auto" and int(np.count_nonzero(breaks[space])) + 1 > limit:
+        return None  # at least one piece per run: too many to stream
+    if space not in runs:
+        runs[space] = _runs(idx, breaks[space])
+    if path == "auto" and _pieces(runs[space][1], t) > limit:
+        return None
+    return _leaf_plan(runs[space], t)
+
+
+def _leaf_plan(runs: tuple[np.ndarray, np.ndarray],
+               rows_per_leaf: int) -> list[list[tuple[int, int]]]:
+    """Split the runs at leaf boundaries: per leaf, its (first slot, rows) pieces. Built only
+    for the zero-copy stream path, which is taken only when the pieces are few (at most four
+    per leaf), so this loop is bounded by the leaves, not by the positions."""
     plan: list[list[tuple[int, int]]] = []
     cur: list[tuple[int, int]] = []
     room = rows_per_leaf
-    for slot, n in runs:
+    for slot, n in zip(runs[0].tolist(), runs[1].tolist(), strict=True):
         while n > 0:
             take = min(n, room)
             cur.append((slot, take))
@@ -675,27 +728,36 @@ def _check_range(comp: Component, lo: int, hi: int, what: str) -> None:
                          f"not within [0, {comp.slots})")
 
 
-def digest_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, length: int,
-                   room: int, generation: int = 0, state_indices: Sequence[int] | torch.Tensor = (),
-                   swa_window: int | None = None, path: str = "auto") -> KvDigest:
-    """The digest of the request's owned KV ``[prefix, length)`` in ``pool``.
+@dataclass
+class RequestPlan:
+    """What :func:`digest_request` reads for one request, worked out before any row is hashed
+    (:func:`plan_request`): the indices of every space, checked against every component, and
+    per component how its rows are read (a stream plan of zero-copy pieces per leaf, or None:
+    gathered). Vectorized: no step here loops over positions or runs in Python (the stream
+    plan is built only when it has at most four pieces per leaf)."""
 
-    ``req_to_token_row``: the request's row of ``req_to_token`` (position -> KV location; at
-    least ``length`` entries), the same call on prefill (before sending) and on decode (over
-    its own row, after receiving). ``state_indices``: the request's state slots (Mamba pools;
-    required there). ``swa_window``: the sliding window in tokens (SWA pools; required there).
-    ``path``: ``auto``, ``stream`` (zero-copy from the pool, CPU tensors only), ``gather`` or
-    ``triton`` (leaves hashed on the device by :mod:`kv_digest_triton`; ``auto`` takes it for
-    pools on a CUDA/HIP device, see :func:`_device_path`); all give the same digest. ``pool``
-    may be a :class:`Prepared` pool (no per-call setup).
-    """
+    prefix: int
+    length: int
+    window: int
+    n_state: int
+    idx: dict[Space, torch.Tensor]
+    streams: list[list[list[tuple[int, int]]] | None]  # per component (None: gather)
+    on_device: bool
+
+
+def plan_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, length: int,
+                 state_indices: Sequence[int] | torch.Tensor = (),
+                 swa_window: int | None = None, path: str = "auto") -> RequestPlan:
+    """The :class:`RequestPlan` of the request's owned KV ``[prefix, length)`` (arguments as
+    :func:`digest_request`, which calls it); raises before any row is read when an index is
+    out of range or maps to the padding slot."""
     if path not in ("auto", "stream", "gather", "triton"):
         raise ValueError(f"unknown path {path!r}")
     prefix, length = int(prefix), int(length)
     if not 0 <= prefix <= length:
         raise ValueError(f"need 0 <= prefix <= length, got [{prefix}, {length})")
     prepared = pool if isinstance(pool, Prepared) else prepare(pool)
-    pool, comps, sig = prepared.pool, prepared.components, prepared.signature
+    pool, comps = prepared.pool, prepared.components
     row = torch.as_tensor(req_to_token_row).reshape(-1)
     if row.numel() < length:
         raise ValueError(f"req_to_token row has {row.numel()} entries, need {length}")
@@ -724,10 +786,6 @@ def digest_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, 
 
     np_idx = {s: t.numpy() for s, t in idx_by_space.items()}
     bounds = {s: (int(a.min()), int(a.max())) if a.size else (0, -1) for s, a in np_idx.items()}
-    plans: dict[tuple[Space, int], tuple[list[list[tuple[int, int]]], int]] = {}
-    scratch: dict[int, torch.Tensor] = {}
-    runs_by_space = {s: _runs(a) for s, a in np_idx.items()}
-
     # Every index is checked before any row is read (on a GPU an out-of-range gather is a
     # device fault, not an exception).
     for c in comps:
@@ -741,12 +799,60 @@ def digest_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, 
             raise ValueError(f"a position of [{prefix}, {length}) maps to the padding slot 0 "
                              f"of {c.describe()}: it has no KV to digest")
     on_device = path == "triton" or (path == "auto" and _device_path(comps))
-    device_leaves = _leaves_device(comps, idx_by_space) if on_device else None
+    streams: list[list[list[tuple[int, int]]] | None] = [None] * len(comps)
+    if not on_device:
+        breaks: dict[Space, np.ndarray] = {}
+        runs: dict[Space, tuple[np.ndarray, np.ndarray]] = {}
+        plans: dict[tuple[Space, int], list[list[tuple[int, int]]] | None] = {}
+        for ci, c in enumerate(comps):
+            n = int(idx_by_space[c.space].numel())
+            if n == 0:
+                continue
+            if path == "stream" and c.rows is None:
+                raise ValueError(f"{c.describe()} has no zero-copy rows (not CPU or not "
+                                 "contiguous)")
+            if c.rows is None or path == "gather":
+                continue
+            t = leaf_rows(c.row_bytes)
+            key = (c.space, t)
+            if key not in plans:
+                plans[key] = _stream_plan(np_idx[c.space], t, path, breaks, runs, c.space)
+            streams[ci] = plans[key]
+    return RequestPlan(prefix, length, window, n_state, idx_by_space, streams, on_device)
 
+
+def digest_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, length: int,
+                   room: int, generation: int = 0, state_indices: Sequence[int] | torch.Tensor = (),
+                   swa_window: int | None = None, path: str = "auto") -> KvDigest:
+    """The digest of the request's owned KV ``[prefix, length)`` in ``pool``.
+
+    ``req_to_token_row``: the request's row of ``req_to_token`` (position -> KV location; at
+    least ``length`` entries), the same call on prefill (before sending) and on decode (over
+    its own row, after receiving). ``state_indices``: the request's state slots (Mamba pools;
+    required there). ``swa_window``: the sliding window in tokens (SWA pools; required there).
+    ``path``: ``auto``, ``stream`` (zero-copy from the pool, CPU tensors only), ``gather`` or
+    ``triton`` (leaves hashed on the device by :mod:`kv_digest_triton`; ``auto`` takes it for
+    pools on a CUDA/HIP device, see :func:`_device_path`); all give the same digest. ``pool``
+    may be a :class:`Prepared` pool (no per-call setup). Planning (:func:`plan_request`), then
+    hashing (:func:`digest_planned`).
+    """
+    prepared = pool if isinstance(pool, Prepared) else prepare(pool)
+    plan = plan_request(prepared, req_to_token_row, prefix=prefix, length=length,
+                        state_indices=state_indices, swa_window=swa_window, path=path)
+    return digest_planned(prepared, plan, room=room, generation=generation)
+
+
+def digest_planned(prepared: Prepared, plan: RequestPlan, *, room: int,
+                   generation: int = 0) -> KvDigest:
+    """Hash the rows :func:`plan_request` planned (the second half of :func:`digest_request`)."""
+    comps, sig = prepared.components, prepared.signature
+    idx_by_space = plan.idx
+    device_leaves = _leaves_device(comps, idx_by_space) if plan.on_device else None
+    scratch: dict[int, torch.Tensor] = {}
     h = xxhash.xxh3_128()
     h.update(MAGIC + sig.digest)
-    h.update(struct.pack("<7Q", int(room) & _U64, int(generation) & _U64, prefix,
-                         length - prefix, window, n_state, len(comps)))
+    h.update(struct.pack("<7Q", int(room) & _U64, int(generation) & _U64, plan.prefix,
+                         plan.length - plan.prefix, plan.window, plan.n_state, len(comps)))
     for ci, c in enumerate(comps):
         idx = idx_by_space[c.space]
         n = int(idx.numel())
@@ -756,25 +862,16 @@ def digest_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, 
         if device_leaves is not None:
             h.update(b"".join(device_leaves[ci]))
             continue
-        t = leaf_rows(c.row_bytes)
-        key = (c.space, t)
-        if key not in plans:
-            plan = _leaf_plan(runs_by_space[c.space], t)
-            plans[key] = (plan, sum(len(p) for p in plan))
-        plan, pieces = plans[key]
-        use_stream = c.rows is not None and (
-            path == "stream" or (path == "auto" and pieces <= 4 * len(plan)))
-        if path == "stream" and c.rows is None:
-            raise ValueError(f"{c.describe()} has no zero-copy rows (not CPU or not contiguous)")
-        leaves = (_leaves_stream(c.rows.numpy(), plan) if use_stream
-                  else _leaves_gather(c, idx, t, scratch))
+        stream = plan.streams[ci]
+        leaves = (_leaves_stream(c.rows.numpy(), stream) if stream is not None
+                  else _leaves_gather(c, idx, leaf_rows(c.row_bytes), scratch))
         h.update(b"".join(leaves))
     value = h.digest()
     if value == _ZERO:
         value = _ONE
-    return KvDigest(room=int(room) & _U64, generation=int(generation) & _U64, prefix=prefix,
-                    token_count=length - prefix, signature=sig.digest, value=value,
-                    signature_text=sig.text)
+    return KvDigest(room=int(room) & _U64, generation=int(generation) & _U64,
+                    prefix=plan.prefix, token_count=plan.length - plan.prefix,
+                    signature=sig.digest, value=value, signature_text=sig.text)
 
 
 # --------------------------------------------------------------------------- verify

@@ -18,10 +18,12 @@ stamps the freed pages with a new epoch of that table.
 **Invariant** (what a snapshot proves). A table's epoch strictly increases with every free
 call, and a page's generation is the epoch of its last free since the table was attached (0:
 none; ``clear()`` frees every page). So, for the pages a request held when it took a
-:func:`snapshot`: a page's generation differs from the snapshot **iff the page was freed at
-least once since** (and so possibly reallocated to another request). :func:`changed` names
-those pages. Allocating never touches a generation. Frees happen on the scheduler thread,
-like every other operation on upstream's free lists (which are not thread safe either).
+:func:`snapshot`, which records only the table's epoch at that moment (every generation was at
+most that epoch then; no per-page copy: 4 bytes per page, the page ids): a page's generation
+is above the snapshot's epoch **iff the page was freed at least once since** (and so possibly
+reallocated to another request). :func:`changed` names those pages. Allocating never touches
+a generation. Frees happen on the scheduler thread, like every other operation on upstream's
+free lists (which are not thread safe either).
 
 **Coverage.** The leaves and composites whose every free goes through the funnels above:
 :data:`COVERED_LEAVES` and :data:`COVERED_COMPOSITES` (exact classes: a subclass may override
@@ -213,7 +215,10 @@ class GenerationTable:
         return ids[~hit.to(ids.device)]
 
     def current(self, pages: torch.Tensor) -> torch.Tensor:
-        return self.gens[pages]
+        """The generations of ``pages`` (int64 ids on the table's device) now.
+        ``index_select``: about four times faster than advanced indexing on the CPU (a
+        million-page check, issue 22), the same on a device."""
+        return torch.index_select(self.gens, 0, pages)
 
 
 def table_of(leaf: Any) -> GenerationTable | None:
@@ -414,24 +419,40 @@ def installed(allocator: Any) -> bool:
 
 @dataclass(frozen=True)
 class _Taken:
+    """One table's part of a snapshot. No per-page generations are copied: every page's
+    generation was at most the table's epoch when the snapshot was taken (a free stamps the
+    table's next epoch), so a page moved since iff its generation is above ``epoch`` now."""
+
     table: GenerationTable
     pages: torch.Tensor   # leaf page ids (table device)
-    gens: torch.Tensor    # their generations when the snapshot was taken
-    owner: torch.Tensor   # CPU: position in the snapshot's page list of each entry
+    epoch: int            # the table's epoch when the snapshot was taken
+    owner: torch.Tensor | None  # CPU: position in the snapshot's page list of each entry
+    #                             (None: the identity, entry i is page i)
 
 
 @dataclass(frozen=True)
 class Snapshot:
     """Generations of ``pages`` (the caller's page ids) and their SWA peers, when taken."""
 
-    pages: torch.Tensor | None    # CPU int64, as given (None: taken on the device only)
+    pages: torch.Tensor | None    # CPU, as given (None: taken on the device only)
     taken: tuple[_Taken, ...]
 
 
+_I32_MAX = (1 << 31) - 1
+
+
 def _as_pages(page_indices: Any) -> torch.Tensor:
+    """The page ids as a CPU tensor of the snapshot's own (never the caller's memory): int32
+    when every id fits, as the page ids of any pool below 2**31 pages do (a snapshot keeps 4
+    bytes per page: issue 22, 16 bytes per token at most at page size 1), else int64."""
     if isinstance(page_indices, torch.Tensor):
-        return page_indices.detach().reshape(-1).to("cpu", torch.int64)
-    return torch.as_tensor(np.asarray(page_indices), dtype=torch.int64).reshape(-1)
+        arr = page_indices.detach().reshape(-1).cpu().numpy()
+    else:
+        arr = np.asarray(page_indices).reshape(-1)
+    if arr.size == 0:
+        return torch.zeros(0, dtype=torch.int32)
+    fits = arr.dtype.kind in "iu" and int(arr.min()) >= 0 and int(arr.max()) <= _I32_MAX
+    return torch.from_numpy(np.array(arr, dtype=np.int32 if fits else np.int64))
 
 
 def snapshot(allocator: Any, page_indices: Any) -> Snapshot:
@@ -444,16 +465,16 @@ def snapshot(allocator: Any, page_indices: Any) -> Snapshot:
         if table is None:
             raise UncoveredAllocatorError(f"{_qualname(part.leaf)} carries no generation table "
                                           "(page generations not installed)")
-        owner = torch.arange(pages.numel(), dtype=torch.int64)
+        owner: torch.Tensor | None = None
         leaf_pages = pages
         if part.peer:
             ps = int(allocator.page_size)
             locs = allocator.translate_swa_indices_for_transfer(
-                pages.to(table.gens.device) * ps).to("cpu", torch.int64)
+                pages.to(table.gens.device, torch.int64) * ps).to("cpu", torch.int64)
             mapped = locs > 0  # 0: no SWA peer (outside the window), -1: none
-            owner, leaf_pages = owner[mapped], locs[mapped] // ps
-        dev_pages = leaf_pages.to(table.gens.device)
-        taken.append(_Taken(table, dev_pages, table.current(dev_pages).clone(), owner))
+            owner = torch.arange(pages.numel(), dtype=torch.int64)[mapped]
+            leaf_pages = locs[mapped] // ps
+        taken.append(_Taken(table, leaf_pages.to(table.gens.device), table.epoch, owner))
     return Snapshot(pages, tuple(taken))
 
 
@@ -470,7 +491,7 @@ def _moved_parts(snap: Snapshot) -> list[tuple[_Taken, torch.Tensor]]:
             raise BrokenTableError(f"the generation table of {t.table.name} missed a free")
         if t.pages.numel() == 0:
             continue
-        mask = (t.table.current(t.pages) != t.gens).to("cpu")
+        mask = (t.table.current(t.pages) > t.epoch).to("cpu")
         if bool(mask.any()):
             out.append((t, mask))
     return out
@@ -485,13 +506,15 @@ def changed(allocator: Any, page_indices: Any, snap: Snapshot) -> list[int]:
                          f"{snap.pages.numel()} other ones")
     hit: set[int] = set()
     for t, mask in _moved_parts(snap):
-        hit.update(int(i) for i in t.owner[mask].tolist())
+        owners = mask.nonzero().reshape(-1) if t.owner is None else t.owner[mask]
+        hit.update(int(i) for i in owners.tolist())
     return sorted(int(pages[i]) for i in hit)
 
 
 def _moved_detail(snap: Snapshot) -> list[tuple[GenerationTable, torch.Tensor]]:
     """Per table, the leaf pages that moved (the ones a release must not free again)."""
-    return [(t.table, t.pages[mask.to(t.pages.device)]) for t, mask in _moved_parts(snap)]
+    return [(t.table, t.pages[mask.to(t.pages.device)].to(torch.int64))
+            for t, mask in _moved_parts(snap)]
 
 
 def _describe(detail: list[tuple[GenerationTable, torch.Tensor]]) -> str:
@@ -688,7 +711,7 @@ def release_request(decode_req: Any, release: Any) -> None:
 def _upstream(release: Any) -> None:
     """Run upstream's release; its own exception is upstream's, not this hook's failure."""
     try:
-        release()
+        policy.run_upstream(release)  # upstream's work: not charged to the hook's cost
     except Exception as e:  # noqa: BLE001 - handed back to upstream unchanged
         raise policy.UpstreamRaised(e) from e
 
@@ -728,7 +751,10 @@ def note_source_chunk(scheduler: Any, req: Any, start_idx: int, end_idx: int) ->
     ps = int(allocator.page_size)
     locs = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start_idx:end_idx]
     head = (ps - start_idx % ps) % ps  # tokens before the first page boundary in the range
-    pages = locs[head::ps] // ps  # one token per page: no unique() (a device sync)
+    pages = locs[head::ps]  # one token per page: no unique() (a device sync)
+    # Page 1: the slots are the pages (no division of a million ids), copied: the snapshot
+    # must not see the request row, which the next request of its slot rewrites.
+    pages = pages // ps if ps > 1 else pages.clone()
     if head:
         pages = torch.cat((locs[:1] // ps, pages))
     sender = req.disagg_kv_sender
@@ -747,9 +773,10 @@ def _snapshot_device(allocator: Any, pages: torch.Tensor) -> Snapshot:
     table = table_of(part.leaf)
     if table is None:
         raise UncoveredAllocatorError(f"{_qualname(part.leaf)} carries no generation table")
-    dev_pages = table._index(pages.reshape(-1))
-    owner = torch.arange(dev_pages.numel(), dtype=torch.int64)
-    return Snapshot(None, (_Taken(table, dev_pages, table.current(dev_pages).clone(), owner),))
+    ids = pages.reshape(-1)  # int32 as upstream's rows hold them: 4 bytes per page kept
+    if ids.dtype not in (torch.int32, torch.int64):
+        ids = ids.to(torch.int64)
+    return Snapshot(None, (_Taken(table, ids.to(table.gens.device), table.epoch, None),))
 
 
 #: The refusal when the Success check itself failed (fail closed: the request fails).

@@ -75,6 +75,7 @@ from sglang.pdsafe.hook_api import MISMATCH_COUNTER, REMEDY, is_mismatch
 logger = logging.getLogger("sglang.pdsafe.policy")
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 ENV_POISON_AFTER = "SGLANG_PDSAFE_POISON_AFTER"
 ENV_STATE_DIR = "SGLANG_PDSAFE_STATE_DIR"
@@ -225,7 +226,10 @@ class HookSpec:
     key: Callable[..., Hashable | None] | None = None
     calls: int = 0  # how often upstream called it in this process (failure-suite evidence)
     internal: bool = False  # only pdsafe's own modules call it (no patch does)
-    ns: int = 0  # wall time inside it in this process, nested hooks included (cost table)
+    ns: int = 0  # wall time inside it in this process, nested hooks included, upstream code
+    #              it ran through run_upstream excluded (cost table)
+    top_calls: int = 0  # of those, the calls made outside every other hook (cost table)
+    top_ns: int = 0  # their time: summed over every hook, the process total ("*")
 
     @property
     def function(self) -> str:
@@ -268,13 +272,12 @@ def hook(name: str, *, outcome: Outcome, counter: str, on_failure: Callable[[Fai
                         module=fn.__module__, qualname=fn.__qualname__, body=fn,
                         on_failure=on_failure, key=key, internal=internal)
         HOOKS[name] = spec
-        outer = not internal  # internal hooks run inside other hooks: charged there
 
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
             spec.calls += 1
             if _cost_on:
-                return _timed_call(spec, outer, args, kwargs)
+                return _timed_call(spec, args, kwargs)
             try:
                 return spec.body(*args, **kwargs)
             except UpstreamRaised as up:
@@ -290,10 +293,18 @@ def hook(name: str, *, outcome: Outcome, counter: str, on_failure: Callable[[Fai
     return wrap
 
 
-def _timed_call(spec: HookSpec, outer: bool, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> Any:
+def _timed_call(spec: HookSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The hook call of :func:`hook` with its wall time charged to the cost table (only
-    while :func:`measure_cost` is on: timing costs about a microsecond per call)."""
+    while :func:`measure_cost` is on: timing costs about a microsecond per call).
+
+    Charged: the hook's own time, nested pdsafe hooks included, upstream code it ran through
+    :func:`run_upstream` excluded (a release, a radix insert: upstream's work, not the
+    protection's). Only a call made outside every other hook of its thread (the outermost)
+    adds to the process total (``"*"``), so a hook that runs inside another hook, directly or
+    inside the upstream code that hook ran, is counted once, in its caller."""
+    frames = _frames()
+    frame = [0, 0]  # [upstream ns excluded, ns of hooks nested inside that upstream code]
+    frames.append(frame)
     t0 = _now_ns()
     try:
         return spec.body(*args, **kwargs)
@@ -304,14 +315,52 @@ def _timed_call(spec: HookSpec, outer: bool, args: tuple[Any, ...],
     except Exception as e:  # noqa: BLE001 - the policy's whole purpose
         return _failed(spec, e, args, kwargs)
     finally:
-        dt = _now_ns() - t0
-        spec.ns += dt
-        if outer:
+        t1 = _now_ns()
+        frames.pop()
+        own = t1 - t0 - frame[0]
+        spec.ns += own
+        if frames:
+            frames[-1][1] += own  # inside upstream code run by a hook: ours, charged there
+        else:
+            spec.top_calls += 1
+            spec.top_ns += own
             total = _cost
-            total[0] += dt
+            total[0] += own
             total[1] += 1
             if t0 >= total[2]:
                 flush_cost(t0)
+
+
+def run_upstream(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """Run upstream code ``fn`` from inside a hook (a release the hook guards). While the cost
+    table is on, its time is excluded from the calling hook's charge, except the time of
+    pdsafe hooks it calls in turn (a free's generation stamp). Off: just ``fn(...)``."""
+    if not _cost_on:
+        return fn(*args, **kwargs)
+    frames = _frames()
+    if not frames:
+        return fn(*args, **kwargs)
+    inside = [0, 0]
+    frames.append(inside)
+    t0 = _now_ns()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        dt = _now_ns() - t0
+        frames.pop()
+        frames[-1][0] += dt - inside[1]  # upstream's time, less the pdsafe hooks inside it
+
+
+_tls = threading.local()
+
+
+def _frames() -> list[list[int]]:
+    """This thread's stack of timed hook calls (and upstream calls inside them)."""
+    try:
+        return _tls.frames  # type: ignore[no-any-return]
+    except AttributeError:
+        _tls.frames = []
+        return _tls.frames  # type: ignore[no-any-return]
 
 
 #: ``SGLANG_PDSAFE_HOOK_COST=1``: time every hook call (the cost table, hook_seconds_total).
@@ -354,10 +403,21 @@ def flush_cost(now: int | None = None) -> None:
 
 def hook_cost() -> dict[str, tuple[int, int]]:
     """``{hook name: (calls, ns)}`` of this process, nested hooks included in their callers'
-    time too, plus ``"*"``: the outermost calls only (what the hooks added in all)."""
+    time too, upstream code a hook ran through :func:`run_upstream` excluded, plus ``"*"``:
+    the outermost calls only (what the hooks added in all). ``calls`` counts every call;
+    ``ns`` only the calls made while the timing was on."""
     table = {name: (spec.calls, spec.ns) for name, spec in HOOKS.items() if spec.calls}
     table["*"] = (_cost[1], _cost[0])
     return table
+
+
+def hook_cost_outermost() -> dict[str, tuple[int, int]]:
+    """``{hook name: (calls, ns)}`` of the calls made outside every other hook: each timed
+    call's time counted once, in the hook upstream called (a hook nested in it, directly or
+    inside the upstream code it ran, is charged there). The values add up to ``"*"`` of
+    :func:`hook_cost`: a partition of what the hooks added, by the hook upstream called."""
+    return {name: (spec.top_calls, spec.top_ns) for name, spec in HOOKS.items()
+            if spec.top_calls}
 
 
 def reset_cost() -> None:
@@ -366,6 +426,8 @@ def reset_cost() -> None:
     for spec in HOOKS.values():
         spec.calls = 0
         spec.ns = 0
+        spec.top_calls = 0
+        spec.top_ns = 0
     with _cost_lock:
         _cost[0] = _cost[1] = 0
         _cost_flushed = (0, 0)

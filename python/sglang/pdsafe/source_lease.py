@@ -88,7 +88,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from sglang.pdsafe import metrics, transfer
+from sglang.pdsafe import metrics, policy, transfer
 from sglang.pdsafe.hook_api import require
 from sglang.pdsafe.peer_notifier import is_fake_bootstrap
 from sglang.pdsafe.policy import Outcome, hook, returns
@@ -576,7 +576,8 @@ def _release(reg: SourceLeases, kv_mgr: Any, rec: Transfer, now: float) -> None:
     metrics.inc(RELEASED)
     metrics.observe("source_lease_hold_seconds", max(0.0, now - lease.held_since))
     try:
-        mem_common.release_kv_cache(lease.req, lease.tree_cache, checkpoint=lease.checkpoint)
+        policy.run_upstream(mem_common.release_kv_cache, lease.req, lease.tree_cache,
+                            checkpoint=lease.checkpoint)
     finally:
         lg = transfer.leg(kv_mgr)
         if rec.keeps_room:

@@ -94,6 +94,9 @@ class ChildConfig:
     parent_pid: int
     log_level: str
     model_dir: str
+    #: Run every protection hook a patched scheduler runs around a transfer, over upstream's
+    #: real allocator with page generations (``pdsafe_testkit.kv.bookkeeping``).
+    bookkeeping: bool = False
 
 
 def set_pdeathsig() -> None:

@@ -23,7 +23,6 @@ object with a ``numpy()`` view (CPU torch tensors in the children).
 from __future__ import annotations
 
 import enum
-import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,11 +40,13 @@ __all__ = [
     "PageVerdict",
     "apply_bit_flip",
     "classify_pages",
+    "count_own_rows",
     "encode_rows",
     "fill_data_pages",
     "fill_poison_pages",
     "fill_stale_pages",
     "request_token_ids",
+    "token_rows",
 ]
 
 MAGIC_DATA = 0xDA7A5EED01
@@ -66,8 +67,8 @@ _MIX_C = (
 def request_token_ids(room: int, num_tokens: int) -> list[int]:
     """The prompt of the request in ``room`` as both sides hold it (prefill a prefix of it when
     it prefills fewer tokens). Feeds the coverage attestation the scheduler hooks compute."""
-    rng = random.Random(room)
-    return [rng.randrange(4, 512) for _ in range(num_tokens)]
+    rng = np.random.default_rng(int(room) & ((1 << 64) - 1))  # vectorized: 1M-token prompts
+    return rng.integers(4, 512, size=num_tokens, dtype=np.int64).tolist()
 
 
 def _mix64(tag: np.ndarray, owner: np.ndarray, pos: np.ndarray, word: np.ndarray) -> np.ndarray:
@@ -124,6 +125,35 @@ def _page_rows(page: int, page_size: int, start: int = 0, stop: int | None = Non
     return slice(page * page_size + start, page * page_size + stop)
 
 
+#: Rows encoded per step by the fill functions (bounds their temporary memory: a
+#: million-token request is filled in steps, not in one array of every row).
+_FILL_STEP_ROWS = 1 << 16
+
+
+def _fill_rows(arr: np.ndarray, rows: np.ndarray, magic: int, layer: int, kv: int,
+               owner: np.ndarray, pos: np.ndarray) -> None:
+    """``arr[rows[i]] = encode_rows(magic, layer, kv, owner[i], pos[i])``, in bounded steps
+    (vectorized: no Python loop over pages or rows)."""
+    for a in range(0, rows.size, _FILL_STEP_ROWS):
+        b = a + _FILL_STEP_ROWS
+        arr[rows[a:b]] = encode_rows(magic, layer, kv, owner[a:b], pos[a:b], arr.shape[1])
+
+
+def _whole_page_rows(pages: Iterable[int], page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row index, owner page) of every row of ``pages``, in page order."""
+    p = np.fromiter((int(x) for x in pages), dtype=np.int64)
+    rows = (p[:, None] * page_size + np.arange(page_size, dtype=np.int64)[None, :]).reshape(-1)
+    return rows, np.repeat(p, page_size)
+
+
+def _fill_pages(buffers: Sequence[Any], layer_kv: Sequence[tuple[int, int]],
+                pages: Iterable[int], page_size: int, magic: int) -> None:
+    rows, owner = _whole_page_rows(pages, page_size)
+    pos = rows - (rows // page_size) * page_size  # the row within its page
+    for buf, (layer, kv) in zip(buffers, layer_kv, strict=True):
+        _fill_rows(_as_u64(buf), rows, magic, layer, kv, owner, pos)
+
+
 def fill_poison_pages(
     buffers: Sequence[Any],
     layer_kv: Sequence[tuple[int, int]],
@@ -131,17 +161,7 @@ def fill_poison_pages(
     page_size: int,
 ) -> None:
     """Write the POISON pattern (owner = the page itself) into every row of ``pages``."""
-    for buf, (layer, kv) in zip(buffers, layer_kv, strict=True):
-        arr = _as_u64(buf)
-        for page in pages:
-            arr[_page_rows(page, page_size)] = encode_rows(
-                MAGIC_POISON,
-                layer,
-                kv,
-                np.full(page_size, page),
-                np.arange(page_size),
-                arr.shape[1],
-            )
+    _fill_pages(buffers, layer_kv, pages, page_size, MAGIC_POISON)
 
 
 def fill_stale_pages(
@@ -151,17 +171,16 @@ def fill_stale_pages(
     page_size: int,
 ) -> None:
     """Write the STALE pattern (prefill memory no prefill step wrote) into ``pages``."""
-    for buf, (layer, kv) in zip(buffers, layer_kv, strict=True):
-        arr = _as_u64(buf)
-        for page in pages:
-            arr[_page_rows(page, page_size)] = encode_rows(
-                MAGIC_STALE,
-                layer,
-                kv,
-                np.full(page_size, page),
-                np.arange(page_size),
-                arr.shape[1],
-            )
+    _fill_pages(buffers, layer_kv, pages, page_size, MAGIC_STALE)
+
+
+def token_rows(pages: Sequence[int], page_size: int, token_start: int,
+               token_stop: int) -> np.ndarray:
+    """The pool row of each request token ``[token_start, token_stop)`` when ``pages[i]``
+    holds request tokens ``[i * page_size, (i + 1) * page_size)`` (int64, vectorized)."""
+    t = np.arange(token_start, token_stop, dtype=np.int64)
+    p = np.asarray(pages, dtype=np.int64)
+    return p[t // page_size] * page_size + t % page_size
 
 
 def fill_data_pages(
@@ -178,23 +197,38 @@ def fill_data_pages(
     ``pages[i]`` holds request tokens ``[i * page_size, (i + 1) * page_size)``; rows of those
     pages outside the token range are left untouched.
     """
+    if token_stop <= token_start:
+        return
+    rows = token_rows(pages, page_size, token_start, token_stop)
+    positions = np.arange(token_start, token_stop, dtype=np.uint64)
+    owner = np.full(rows.size, room, dtype=np.uint64)
+    for buf, (layer, kv) in zip(buffers, layer_kv, strict=True):
+        _fill_rows(_as_u64(buf), rows, MAGIC_DATA, layer, kv, owner, positions)
+
+
+def count_own_rows(
+    buffers: Sequence[Any],
+    layer_kv: Sequence[tuple[int, int]],
+    *,
+    page_size: int,
+    pages: Sequence[int],
+    room: int,
+    num_tokens: int,
+) -> int:
+    """How many of the request's token rows (every buffer: ``num_tokens`` per layer and
+    K/V) hold exactly this request's DATA at the right position and layer: the vectorized
+    summary of :func:`classify_pages` for requests too large for per-page verdicts (equal
+    to ``num_tokens * len(buffers)`` iff every page would be classified OWN)."""
+    own = 0
     for buf, (layer, kv) in zip(buffers, layer_kv, strict=True):
         arr = _as_u64(buf)
-        tok = token_start
-        while tok < token_stop:
-            pos_in_req = tok // page_size
-            row0 = tok % page_size
-            row1 = min(page_size, row0 + (token_stop - tok))
-            positions = np.arange(tok, tok + (row1 - row0))
-            arr[_page_rows(pages[pos_in_req], page_size, row0, row1)] = encode_rows(
-                MAGIC_DATA,
-                layer,
-                kv,
-                np.full(len(positions), room, dtype=np.uint64),
-                positions,
-                arr.shape[1],
-            )
-            tok += row1 - row0
+        for a in range(0, num_tokens, _FILL_STEP_ROWS):
+            b = min(num_tokens, a + _FILL_STEP_ROWS)
+            rows = token_rows(pages, page_size, a, b)
+            want = encode_rows(MAGIC_DATA, layer, kv, np.full(b - a, room, dtype=np.uint64),
+                               np.arange(a, b, dtype=np.uint64), arr.shape[1])
+            own += int(np.all(arr[rows] == want, axis=1).sum())
+    return own
 
 
 @dataclass(frozen=True)

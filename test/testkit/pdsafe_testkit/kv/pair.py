@@ -93,6 +93,7 @@ class KVPair:
         log_level: str = "WARNING",
         seed: int | None = None,
         warmup: bool = True,
+        bookkeeping: bool = False,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}")
@@ -129,6 +130,7 @@ class KVPair:
         self.bootstrap_ports: tuple[int, ...] = ()
         self.broken: str | None = None
         self.warmup = warmup
+        self.bookkeeping = bookkeeping
         self.warmup_results: list[TransferResult] = []
         self.startup_s: float | None = None  # launch -> ready (incl. warm-up)
         self.child_init: dict[str, dict[str, Any]] = {}
@@ -163,6 +165,7 @@ class KVPair:
             parent_pid=os.getpid(),
             log_level=self.log_level,
             model_dir=str(self.log_dir / "stub-model"),
+            bookkeeping=self.bookkeeping,
         )
 
     def start(self) -> None:
@@ -309,6 +312,18 @@ class KVLane:
             "poison", 60.0, lane=self.page_size, pages=None if pages is None else list(pages)
         )
 
+    def alloc_pages(self, num_pages: int, layout: str = "contiguous"
+                    ) -> tuple[list[int], list[int]]:
+        """(decode pages, prefill pages) from each side's allocator (a pair started with
+        ``bookkeeping=True``), laid out as ``layout`` (``bookkeeping.LAYOUTS``); a transfer
+        given them frees them at its end."""
+        prefill, decode = self.pair._children()
+        d = decode.call("alloc_pages", 120.0, lane=self.page_size, num_pages=num_pages,
+                        layout=layout)
+        p = prefill.call("alloc_pages", 120.0, lane=self.page_size, num_pages=num_pages,
+                         layout=layout)
+        return d, p
+
     def _check_pages(self, pages: Iterable[int], needed: int, what: str) -> list[int]:
         out = [int(p) for p in pages]
         if len(out) != needed:
@@ -331,6 +346,9 @@ class KVLane:
         abort_observe_timeout: float | None = None,
         abort_ack_timeout: float = 5.0,
         flips: Sequence[BitFlip] = (),
+        classify: bool = True,
+        measure: bool = False,
+        trace_memory: bool = False,
     ) -> TransferResult:
         """Run one request's KV transfer end to end and classify the decode pages.
 
@@ -347,6 +365,12 @@ class KVLane:
         Decode then runs the KV digest check of a transfer it commits (``digest``):
         ``flips`` (test-only corruption, any bytes of decode's pool) are applied after the
         commit, before that check; ``flipped_verdicts`` classify the pages after them.
+
+        ``classify`` False: no per-page verdicts, ``own_rows`` counts the request's rows
+        instead (for a million pages). ``measure`` (a pair with ``bookkeeping=True``): both
+        sides measure what the protections' bookkeeping cost for this transfer
+        (``result.cost``; ``trace_memory`` also traces the peak memory inside every hook,
+        which slows the hooks down: time and memory are measured in separate transfers).
         """
         prefill, decode = self.pair._children()
         lane = self.page_size
@@ -378,10 +402,15 @@ class KVLane:
         p_fin: dict[str, Any] = {}
         chunks = 0
         started = time.monotonic()
+        cost: dict[str, Any] | None = None
+        if measure:
+            for child in (prefill, decode):
+                child.call("measure_begin", margin, lane=lane, trace_memory=trace_memory)
         try:
             try:
                 prefill.call("send_open", margin, lane=lane, room=room)
-                decode.call("recv_open", margin, lane=lane, room=room, pages=d_pages)
+                decode.call("recv_open", margin, lane=lane, room=room, pages=d_pages,
+                            num_tokens=num_tokens)
                 ready = prefill.call(
                     "send_wait_ready", timeout + margin, lane=lane, room=room, timeout=timeout
                 )
@@ -409,9 +438,12 @@ class KVLane:
                 if prefill.pending is None and decode.pending is None:
                     d_fin = decode.call(
                         "recv_finish", margin, lane=lane, room=room, num_tokens=num_tokens,
-                        flips=list(flips),
+                        flips=list(flips), classify=classify,
                     )
                     p_fin = prefill.call("send_finish", margin, lane=lane, room=room)
+                    if measure:
+                        cost = {"prefill": prefill.call("measure_end", margin, lane=lane),
+                                "decode": decode.call("measure_end", margin, lane=lane)}
         except HarnessError as e:
             self.pair.broken = str(e).splitlines()[0]
             raise
@@ -456,6 +488,10 @@ class KVLane:
             digest_generation=d_fin["digest_generation"],
             flips=tuple(tuple(f) for f in d_fin["flips"]),
             flipped_verdicts=tuple(d_fin["flipped_verdicts"]),
+            own_rows=d_fin.get("own_rows"),
+            rows_expected=None if classify else num_tokens * 2 * self.pair.num_layers,
+            cost=cost,
+            source_refusal=p_fin.get("source_refusal"),
         )
 
     def _run(

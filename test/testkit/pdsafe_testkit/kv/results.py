@@ -124,6 +124,15 @@ class TransferResult:
     #: (byte before, byte after) each; and the page verdicts re-read after them.
     flips: tuple[tuple[int, int], ...] = ()
     flipped_verdicts: tuple[PageVerdict, ...] = ()
+    #: ``transfer(classify=False)``: no per-page verdicts; the decode rows (every layer, K
+    #: and V) that hold exactly this request's data, and how many there are to hold it.
+    own_rows: int | None = None
+    rows_expected: int | None = None
+    #: ``transfer(measure=True)`` on a pair with bookkeeping: per side (``prefill``,
+    #: ``decode``), what the protections' bookkeeping cost (``bookkeeping.measure_end``).
+    cost: dict[str, Any] | None = None
+    #: Bookkeeping: prefill's page-generation refusal at Success (None: it stood).
+    source_refusal: str | None = None
 
     @property
     def decode_state(self) -> str:
@@ -139,6 +148,9 @@ class TransferResult:
 
     @property
     def all_own(self) -> bool:
+        """Every page OWN (or, without verdicts, every row counted own)."""
+        if not self.verdicts and self.own_rows is not None:
+            return self.own_rows == self.rows_expected
         return all(v.kind is PageKind.OWN for v in self.verdicts)
 
     @property

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,10 +38,12 @@ from pdsafe_testkit.kv.pages import (
     BitFlip,
     apply_bit_flip,
     classify_pages,
+    count_own_rows,
     fill_data_pages,
     fill_poison_pages,
     fill_stale_pages,
     request_token_ids,
+    token_rows,
 )
 from pdsafe_testkit.kv.results import (
     KVPOLL_BOOTSTRAPPING,
@@ -50,6 +52,9 @@ from pdsafe_testkit.kv.results import (
     KVPOLL_SUCCESS,
     KVPOLL_TERMINAL,
 )
+
+if TYPE_CHECKING:  # imported when a lane is built with bookkeeping (in the child)
+    from pdsafe_testkit.kv.bookkeeping import Bookkeeping
 
 __all__ = ["POLL_INTERVAL_S", "DecodeLane", "Lane", "PrefillLane", "poll_until"]
 
@@ -241,6 +246,14 @@ class Lane:
         self._before_manager()
         manager_cls = get_kv_class(self.backend, KVClassType.MANAGER)
         self.mgr = manager_cls(kv_args, self.mode, self.server_args, False)
+        # Bookkeeping (``ChildConfig.bookkeeping``): upstream's allocator with page
+        # generations, and every protection hook a patched scheduler runs around a transfer
+        # (``pdsafe_testkit.kv.bookkeeping``); None: the plain harness.
+        self.book: Bookkeeping | None = None
+        if getattr(cfg, "bookkeeping", False):
+            from pdsafe_testkit.kv.bookkeeping import Bookkeeping
+
+            self.book = Bookkeeping(self)
 
     def _before_manager(self) -> None:
         pass
@@ -254,11 +267,9 @@ class Lane:
         t % ps``), as the scheduler's allocator would have."""
         import torch
 
-        ps = self.page_size
-        slots = [pages[t // ps] * ps + t % ps for t in range(num_tokens)]
-        self.req_to_token_pool.req_to_token[REQ_POOL_IDX, :num_tokens] = torch.tensor(
-            slots, dtype=self.req_to_token_pool.req_to_token.dtype
-        )
+        slots = token_rows(pages, self.page_size, 0, num_tokens)
+        self.req_to_token_pool.req_to_token[REQ_POOL_IDX, :num_tokens] = torch.from_numpy(
+            slots).to(self.req_to_token_pool.req_to_token.dtype)
 
     def _failure_reason(self, room: int) -> str | None:
         with self.mgr.failure_lock:
@@ -277,6 +288,27 @@ class Lane:
     def cmd_ping(self) -> float:
         return time.monotonic()
 
+    def _book(self) -> Bookkeeping:
+        if self.book is None:
+            raise RuntimeError("this pair was started without bookkeeping=True")
+        return self.book
+
+    def cmd_alloc_pages(self, num_pages: int, layout: str = "contiguous") -> list[int]:
+        """``num_pages`` pages from the bookkeeping's allocator (``bookkeeping.LAYOUTS``)."""
+        return self._book().alloc_pages(num_pages, layout)
+
+    def cmd_measure_begin(self, trace_memory: bool = False) -> None:
+        """Start measuring the next transfer's bookkeeping in this process."""
+        from pdsafe_testkit.kv.bookkeeping import measure_begin
+
+        measure_begin([self._book()], trace_memory=trace_memory)
+
+    def cmd_measure_end(self) -> dict[str, Any]:
+        """What the bookkeeping cost since ``measure_begin`` (``bookkeeping.measure_end``)."""
+        from pdsafe_testkit.kv.bookkeeping import measure_end
+
+        return measure_end([self._book()])
+
 
 @dataclass
 class SendPlan:
@@ -286,6 +318,8 @@ class SendPlan:
     segments: list[tuple[int, int]] = field(default_factory=list)
     next_segment: int = 0
     trace: list[tuple[str, float]] = field(default_factory=list)
+    req: Any = None  # the request stand-in, kept from the first chunk to the retirement
+    prefill_tokens: int = 0
 
 
 class PrefillLane(Lane):
@@ -345,7 +379,10 @@ class PrefillLane(Lane):
         if plan.aux_index is None:
             raise RuntimeError("prefill metadata slots exhausted")
         plan.pages = list(pages)
+        plan.prefill_tokens = prefill_tokens
         fill_stale_pages(self.buffers, self.layer_kv, pages, ps)
+        if self.book is not None:  # every chunk's source-page snapshot reads the row
+            self.set_request_row(plan.pages, prefill_tokens)
         step = chunk_tokens or prefill_tokens
         segments: list[tuple[int, int]] = []
         start = 0
@@ -380,17 +417,24 @@ class PrefillLane(Lane):
         while plan.next_segment < len(plan.segments) and (max_chunks is None or sent < max_chunks):
             start, end = plan.segments[plan.next_segment]
             last = plan.next_segment == len(plan.segments) - 1
-            fill_data_pages(self.buffers, self.layer_kv, plan.pages, ps, room, start, end)
-            req = SimpleNamespace(
-                rid=f"kv-harness-{room}",
-                bootstrap_room=room,
-                metadata_buffer_index=plan.aux_index,
-                origin_input_ids=request_token_ids(room, end),
-                disagg_decode_prefix_len=0,
-                extend_end=end,
-                kv=SimpleNamespace(req_pool_idx=REQ_POOL_IDX),
-                disagg_kv_sender=plan.sender,
-            )
+            if self.book is not None:
+                with self.book.forward():
+                    fill_data_pages(self.buffers, self.layer_kv, plan.pages, ps, room, start,
+                                    end)
+            else:
+                fill_data_pages(self.buffers, self.layer_kv, plan.pages, ps, room, start, end)
+            if plan.req is None:  # one request object from the first chunk on
+                plan.req = SimpleNamespace(
+                    rid=f"kv-harness-{room}",
+                    bootstrap_room=room,
+                    metadata_buffer_index=plan.aux_index,
+                    disagg_decode_prefix_len=0,
+                    kv=SimpleNamespace(req_pool_idx=REQ_POOL_IDX),
+                    disagg_kv_sender=plan.sender,
+                )
+            req = plan.req
+            req.origin_input_ids = request_token_ids(room, end)
+            req.extend_end = end
             if last:
                 self.set_request_row(plan.pages, end)
             self._chunk = (plan, start, end)
@@ -433,6 +477,8 @@ class PrefillLane(Lane):
 
             coverage.attest_prefill_hook(self.metadata, req, end, ps)
         page_indices = np.asarray(plan.pages[start // ps : -(-end // ps)], dtype=np.int64)
+        if self.book is not None:  # patch 0024: the chunk's source pages snapshotted
+            self.book.note_chunk(req, start, end)
         # The scheduler passes state_indices=[] on the last chunk (no state types here).
         plan.sender.send(page_indices, [] if last_chunk else None, num_kv_tokens=end - start)
 
@@ -458,9 +504,17 @@ class PrefillLane(Lane):
         sender = plan.sender
         state = int(sender.poll())
         reason = self._failure_reason(room)
+        source_refusal = None
         if state == KVPOLL_SUCCESS:
+            if self.book is not None and plan.req is not None:
+                self.book.time_plan(plan.prefill_tokens)
+                source_refusal = self.book.success(plan.req, plan.pages)
             sender.clear()
+            if self.book is not None and plan.req is not None:
+                self.book.lease_cycle(room, plan.req.rid, plan.prefill_tokens)
         else:
+            if self.book is not None:
+                self.book.free_pages(plan.pages)
             if state != KVPOLL_FAILED:
                 sender.abort()
             try:
@@ -470,7 +524,8 @@ class PrefillLane(Lane):
         if plan.aux_index is not None:
             self.metadata.clear_slot(plan.aux_index)
             self.aux_alloc.free(plan.aux_index)
-        return {"state": KVPOLL_NAMES[state], "failure_reason": reason, "trace": plan.trace}
+        return {"state": KVPOLL_NAMES[state], "failure_reason": reason, "trace": plan.trace,
+                "source_refusal": source_refusal}
 
 
 @dataclass
@@ -479,6 +534,7 @@ class RecvState:
     pages: list[int]
     aux_index: int | None = None
     trace: list[tuple[str, float]] = field(default_factory=list)
+    decode_req: Any = None  # bookkeeping: the request stand-in, from the reservation on
 
 
 class DecodeLane(Lane):
@@ -502,8 +558,24 @@ class DecodeLane(Lane):
         targets = range(1, self.cfg.num_pages + 1) if pages is None else pages
         fill_poison_pages(self.buffers, self.layer_kv, targets, self.page_size)
 
-    def cmd_recv_open(self, room: int, pages: list[int]) -> dict[str, Any]:
-        """Receiver creation, ``init`` and ``send_metadata`` (the pre-allocation step)."""
+    def _decode_req(self, room: int, num_tokens: int, receiver: Any,
+                    aux_index: int | None) -> Any:
+        """The ``DecodeRequest`` stand-in the patched decode hooks read."""
+        return SimpleNamespace(
+            req=SimpleNamespace(rid=f"kv-harness-{room}", bootstrap_room=room, output_ids=[],
+                                origin_input_ids=request_token_ids(room, num_tokens),
+                                return_logprob=False, finished_reason=None,
+                                kv=SimpleNamespace(req_pool_idx=REQ_POOL_IDX,
+                                                   cache_protected_len=0)),
+            metadata_buffer_index=aux_index, kv_receiver=receiver)
+
+    def cmd_recv_open(self, room: int, pages: list[int],
+                      num_tokens: int | None = None) -> dict[str, Any]:
+        """Receiver creation, ``init`` and ``send_metadata`` (the pre-allocation step).
+
+        With bookkeeping, what ``_send_kv_metadata`` runs before ``send_metadata``: the
+        coverage reservation of ``num_tokens`` (default: the pages' capacity) and the
+        page-generation snapshot."""
         if room in self.recvs:
             raise ValueError(f"room {room} already open on decode")
         receiver_cls = self.get_kv_class(self.backend, self.KVClassType.RECEIVER)
@@ -516,6 +588,10 @@ class DecodeLane(Lane):
         st.aux_index = self.aux_alloc.alloc()
         if st.aux_index is None:
             raise RuntimeError("decode metadata slots exhausted")
+        if self.book is not None:
+            tokens = len(pages) * self.page_size if num_tokens is None else int(num_tokens)
+            st.decode_req = self._decode_req(room, tokens, receiver, st.aux_index)
+            self.book.reserve(st.decode_req, list(pages), tokens)
         receiver.send_metadata(
             np.asarray(pages, dtype=np.int32), st.aux_index, [], decode_prefix_len=0
         )
@@ -549,7 +625,8 @@ class DecodeLane(Lane):
         return None
 
     def cmd_recv_finish(
-        self, room: int, num_tokens: int, flips: list[BitFlip] | None = None
+        self, room: int, num_tokens: int, flips: list[BitFlip] | None = None,
+        classify: bool = True,
     ) -> dict[str, Any]:
         """Classify the request's pages and read its aux row, then retire the receiver.
 
@@ -562,35 +639,50 @@ class DecodeLane(Lane):
         corruption of decode's pool, after the transfer) are applied and the pages classified
         again; then ``kv_integrity.verify_batch``, what ``_verify_kv_checksums`` runs when the
         request first enters a batch, checks it (see :meth:`_digest_check`).
+
+        ``classify`` False: no per-page verdicts (a million pages); ``own_rows`` counts the
+        rows that hold exactly this request's data instead (``pages.count_own_rows``).
+        With bookkeeping, the commit runs the patched decode's hooks (``Bookkeeping.commit``:
+        digest row kept, page generations checked, the commit gate), the pages go back
+        through the allocator, and the quarantine record of a failed transfer of them is
+        held and released (``Bookkeeping.quarantine_cycle``).
         """
         st = self.recvs.pop(room)
         receiver = st.receiver
-        verdicts = classify_pages(
-            self.buffers,
-            self.layer_kv,
-            page_size=self.page_size,
-            pages=st.pages,
-            room=room,
-            num_tokens=num_tokens,
-        )
+        verdicts: list[Any] = []
+        own_rows = None
+        if classify:
+            verdicts = classify_pages(self.buffers, self.layer_kv, page_size=self.page_size,
+                                      pages=st.pages, room=room, num_tokens=num_tokens)
+        else:
+            own_rows = count_own_rows(self.buffers, self.layer_kv, page_size=self.page_size,
+                                      pages=st.pages, room=room, num_tokens=num_tokens)
         aux_room = int(self.metadata.bootstrap_room[st.aux_index, 0].item())
         # The patched scheduler's decode side (patch 0013): the reservation noted
         # when the page indices went out, checked by the commit gate before commit.
         from sglang.pdsafe import coverage
 
-        decode_req = SimpleNamespace(
-            req=SimpleNamespace(rid=f"kv-harness-{room}", bootstrap_room=room, output_ids=[],
-                                origin_input_ids=request_token_ids(room, num_tokens),
-                                kv=SimpleNamespace(req_pool_idx=REQ_POOL_IDX,
-                                                   cache_protected_len=0)),
-            metadata_buffer_index=st.aux_index, kv_receiver=receiver)
-        coverage.note_reservation_hook(decode_req, st.pages, self.page_size, 0, num_tokens)
-        gate = coverage.check_commit_hook(SimpleNamespace(metadata_buffers=self.metadata),
-                                          decode_req)
         state = int(receiver.poll())
         reason = self._failure_reason(room)
-        committed = state == KVPOLL_SUCCESS and gate.outcome.value == "ok"
-        digest = self._digest_check(decode_req, st.pages, num_tokens, committed, flips or [])
+        if self.book is not None and st.decode_req is not None:
+            decode_req = st.decode_req
+            refusal, passed = (self.book.commit(decode_req, self.metadata)
+                               if state == KVPOLL_SUCCESS else (None, False))
+            gate = coverage.check_commit_hook(SimpleNamespace(metadata_buffers=self.metadata),
+                                              decode_req) if not passed else None
+            gate_value = "ok" if passed else gate.outcome.value
+            gate_message = refusal or ("" if passed else gate.message)
+        else:
+            decode_req = self._decode_req(room, num_tokens, receiver, st.aux_index)
+            coverage.note_reservation_hook(decode_req, st.pages, self.page_size, 0, num_tokens)
+            gate = coverage.check_commit_hook(SimpleNamespace(metadata_buffers=self.metadata),
+                                              decode_req)
+            gate_value, gate_message = gate.outcome.value, gate.message
+        committed = state == KVPOLL_SUCCESS and gate_value == "ok"
+        digest = self._digest_check(decode_req, st.pages, num_tokens, committed, flips or [],
+                                    captured=self.book is not None and committed)
+        if self.book is not None:
+            self._book_release(decode_req, st.pages, num_tokens, committed)
         if state == KVPOLL_SUCCESS:
             receiver.clear()
         else:
@@ -603,15 +695,33 @@ class DecodeLane(Lane):
         self.mgr.clear_deferred_abort_state(room)
         self.metadata.clear_slot(st.aux_index)
         self.aux_alloc.free(st.aux_index)
+        if self.book is not None and committed:
+            self.book.quarantine_cycle(room, decode_req.req.rid, num_tokens)
         return {
             "state": KVPOLL_NAMES[state],
             "failure_reason": reason,
             "aux_room": aux_room,
-            "gate": gate.outcome.value,
-            "gate_message": gate.message,
+            "gate": gate_value,
+            "gate_message": gate_message,
             "verdicts": verdicts,
+            "own_rows": own_rows,
             **digest,
         }
+
+    def _book_release(self, decode_req: Any, pages: list[int], num_tokens: int,
+                      committed: bool) -> None:
+        """Bookkeeping: the digest's planning timed apart, then the pages go back: a
+        committed request's through the allocator's free at its end, a refused one's
+        through ``page_generation.release_request`` (as ``_release_request``)."""
+        assert self.book is not None
+        book = self.book
+        if committed:
+            book.time_plan(num_tokens)
+            book.free_pages(pages)
+        else:
+            from sglang.pdsafe import page_generation
+
+            page_generation.release_request(decode_req, lambda: book.free_pages(pages))
 
     def _digest_check(
         self,
@@ -620,6 +730,7 @@ class DecodeLane(Lane):
         num_tokens: int,
         committed: bool,
         flips: list[BitFlip],
+        captured: bool = False,
     ) -> dict[str, Any]:
         """The decode leg of the KV digest for one request, by the fork's own functions.
 
@@ -639,8 +750,9 @@ class DecodeLane(Lane):
                     "flips": [], "flipped_verdicts": []}
         from sglang.pdsafe import kv_integrity, metrics
 
-        kv_integrity.capture(SimpleNamespace(metadata_buffers=self.metadata), decode_req,
-                             fake=False)
+        if not captured:  # the bookkeeping's commit kept the row already
+            kv_integrity.capture(SimpleNamespace(metadata_buffers=self.metadata), decode_req,
+                                 fake=False)
         generation = int(decode_req.kv_receiver.pdsafe_transfer_generation())
         applied = [
             apply_bit_flip(self.buffers, self.layer_kv, self.page_size, f) for f in flips
