@@ -41,10 +41,12 @@ from benchmark.base_tree import DEFAULT_TREE, prepare_base_tree
 from benchmark.evidence import reservations_after
 from benchmark.overhead import OverheadPlan, measure
 from benchmark.scenarios import (
+    OWN_SERVERS,
     SCENARIOS,
     SMOKE_SCENARIOS,
     Ctx,
     Knobs,
+    OwnCtx,
     Reference,
     Scenario,
     applicable,
@@ -269,6 +271,36 @@ def run_scenario(s: Scenario, target: PDTarget, ref: Reference, knobs: Knobs,
     return cell
 
 
+def run_own(s: Scenario, harness: Harness, variant: str, backend: str, page: int,
+            ref: Reference, knobs: Knobs, progress: Progress) -> rpt.Cell:
+    """Run one scenario that starts its own servers (``OWN_SERVERS``) for one variant; the cell
+    (status ``error`` if it raised, with what it judged and checked so far). Every server it
+    started is stopped when it returns (its own context managers)."""
+    progress.doing(f"{s.name} {variant}")
+    cell = rpt.Cell(s.name, s.family, backend, page, variant,
+                    target={"variant": variant, "backend": backend, "page_size": page,
+                            "kind": OWN_SERVERS})
+    own = OwnCtx(harness, variant, backend, page, ref, knobs,
+                 random.Random(_seed(knobs.seed, s.name, backend, page)),
+                 on_request=progress.request)
+    t0 = time.monotonic()
+    try:
+        assert s.fn is not None
+        s.fn(own)
+    except Exception as e:  # noqa: BLE001 - one scenario's failure must not end the run
+        cell.status = "error"
+        cell.reason = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
+    cell.records, cell.phases, cell.notes = own.records, own.phases, own.notes
+    cell.checks, cell.reservations = own.checks, own.reservations
+    cell.notes += ref.failures
+    ref.failures.clear()
+    if own.targets:
+        cell.target["stacks"] = [t.describe() for t in own.targets]
+    cell.duration_s = time.monotonic() - t0
+    progress.step(f"{s.name} {variant}")
+    return cell
+
+
 class Slot:
     """One harness stack that is restarted when a scenario left a server dead."""
 
@@ -370,6 +402,7 @@ class StackPipeline:
         for fut in self.closing:
             with contextlib.suppress(BaseException):
                 fut.result()
+        self.closing.clear()
         self.ex.shutdown(wait=True)
 
 
@@ -389,9 +422,10 @@ def run_harness(a: argparse.Namespace, knobs: Knobs, plan: OverheadPlan,
     harness = Harness(log_dir, base=base, reference_variant=ref_variant)
     quick_cut = a.quick and not a.scenarios_named  # --quick leaves full-only scenarios out
     runnable = [s for s in scenarios if applicable(s, deployment=False, quick=quick_cut)[0]]
+    own = [s for s in runnable if s.stack == OWN_SERVERS]
     kinds: list[str] = []
     for s in runnable:
-        if s.stack not in kinds:
+        if s.stack not in kinds and s.stack != OWN_SERVERS:
             kinds.append(s.stack)
     if "default" in kinds:
         kinds.remove("default")
@@ -472,6 +506,16 @@ def run_harness(a: argparse.Namespace, knobs: Knobs, plan: OverheadPlan,
                         cells.append(_run_in_slot(s, slot, ref, knobs, progress))
             finally:
                 pipe.release(slots)
+        pipe.close_all()  # no stack of the pipeline runs beside the scenarios' own servers
+        for backend in a.backends:
+            for page in a.page_sizes:
+                for s in own:
+                    for v in a.variants:
+                        t4 = time.monotonic()
+                        cells.append(run_own(s, harness, v, backend, page, ref, knobs,
+                                             progress))
+                        timing[f"{s.name}_{backend}_p{page}_{v}_s"] = round(
+                            time.monotonic() - t4, 1)
     finally:
         progress.close()
         pipe.close_all()

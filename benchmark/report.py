@@ -8,6 +8,10 @@ reported them), ``scenarios`` (the registry, implemented or not, with docs and r
 evidence and every judged request), ``overhead`` (``overhead.measure``) and ``summary`` (what the
 exit status is computed from).
 
+A cell's ``checks`` (scenarios that walk an operator's path, ``benchmark.incident``): one entry
+per thing the operator sees at a step (``step``, ``what``, ``ok``, ``expected``, ``seen``); a
+failed check of a fork cell is a fork failure (exit status 1), like a leak or a hang.
+
 Invariant: every registered scenario appears in ``results`` for every (backend, page size,
 variant) of the run, with status ``ran``, ``not_implemented``, ``not_applicable``,
 ``refused_to_start`` or ``error``; nothing is silently absent.
@@ -30,7 +34,7 @@ CELL_KEYS = ("scenario", "family", "backend", "page_size", "variant", "status", 
              "identical", "unproven", "explicit_errors", "leaks", "leak_details", "hangs",
              "hang_details", "broken", "servers_down", "pages_reserved_after", "reservations",
              "phases",
-             "notes", "duration_s", "requests", "target")
+             "notes", "duration_s", "requests", "target", "checks")
 TOP_KEYS = ("schema", "created", "mode", "quick", "versions", "variants", "reference", "config",
             "scenarios", "results", "overhead", "summary", "timing", "plots")
 
@@ -53,6 +57,7 @@ class Cell:
     duration_s: float = 0.0
     target: dict[str, Any] = field(default_factory=dict)
     servers_down: list[str] = field(default_factory=list)
+    checks: list[dict[str, Any]] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         return count(self.records)
@@ -79,6 +84,7 @@ class Cell:
             "duration_s": round(self.duration_s, 2),
             "requests": [r.to_json() for r in self.records],
             "target": self.target,
+            "checks": self.checks,
         }
 
 
@@ -117,6 +123,11 @@ def summarize(cells: Sequence[dict[str, Any]], scenarios: dict[str, dict[str, An
         t["identical"] += cnt.get(Outcome.IDENTICAL.value, 0)
     fork_fail = [_cell_id(c) for c in cells if c["variant"] != "base"
                  and (c.get("leaks") or c.get("hangs"))]
+    failed_checks = [f"{_cell_id(c)} step {k['step']}: {k['what']}"
+                     for c in cells for k in c.get("checks") or [] if not k.get("ok")]
+    fork_fail += [f"{_cell_id(c)}: {n} operator-path check(s) failed"
+                  for c in cells if c["variant"] != "base"
+                  for n in [sum(not k.get("ok") for k in c.get("checks") or [])] if n]
     if content.get("fork", {}).get(Outcome.LEAK.value) or content.get("fork", {}).get(
             Outcome.HANG.value):
         fork_fail.append("overhead bursts (fork)")
@@ -129,7 +140,7 @@ def summarize(cells: Sequence[dict[str, Any]], scenarios: dict[str, dict[str, An
                for c in cells if c.get("servers_down")]
     return {"totals": tot, "fork_failures": fork_fail, "base_shows_bug_in": base_seen,
             "not_implemented": not_impl, "cell_errors": errors, "server_crashes": crashes,
-            "exit_status": 1 if fork_fail else 0}
+            "failed_checks": failed_checks, "exit_status": 1 if fork_fail else 0}
 
 
 def _cell_id(c: dict[str, Any]) -> str:
@@ -182,6 +193,11 @@ def _cell_text(c: dict[str, Any]) -> str:
     if c.get("servers_down"):
         parts.append(f"**{'+'.join(c['servers_down'])} died**")
     parts.append(f"{c['identical']} id / {c['explicit_errors']} err of {c['sent']}")
+    checks = c.get("checks") or []
+    if checks:
+        bad = sum(not k.get("ok") for k in checks)
+        parts.append(f"**{bad} of {len(checks)} checks failed**" if bad
+                     else f"{len(checks)} checks ok")
     if c.get("pages_reserved_after"):
         parts.append(f"{c['pages_reserved_after']} pages held")
     return ", ".join(parts)
@@ -255,6 +271,16 @@ def markdown(report: dict[str, Any]) -> str:
                              f"{d['detail']}; content from: {d['attribution'] or '-'}")
     if not any_detail:
         lines.append("None.")
+    walked = [c for c in cells if c.get("checks")]
+    if walked:
+        lines += ["", "## Operator-path checks", ""]
+        for c in walked:
+            lines.append(f"- {_cell_id(c)}:")
+            for k in c["checks"]:
+                lines.append(f"  - {'ok' if k['ok'] else '**FAILED**'} step {k['step']}: "
+                             f"{k['what']}" + ("" if k["ok"] else
+                                               f" (expected `{k['expected'][:300]}`, seen "
+                                               f"`{k['seen'][:300]}`)"))
     lines += ["", "## Scenarios", ""]
     for s in report["scenarios"]:
         lines.append(f"- **{s['name']}** ({s['family']}, stack `{s['stack']}`, {s['status']}"

@@ -384,9 +384,9 @@ def regression_point(out: Path, *, requests: int = 48, concurrency: int = 4,
     time every hook (``SGLANG_PDSAFE_HOOK_COST=1``); see the module doc."""
     from pdsafe_testkit.metrics import scrape, sum_samples
 
+    from benchmark.harness import Harness
     from benchmark.overhead import run_burst
     from benchmark.scenarios import Ctx, Knobs, Reference
-    from benchmark.targets import Harness
 
     def read(url: str) -> dict[str, float]:
         s = scrape(url)

@@ -21,8 +21,10 @@ and starts it again on its ports,
 the corruption family asks the default stack's decode, armed with the test-only ``kv_corrupt``
 fault, to change a request's transferred KV (by its rid), and
 ``abort-after-transfer-before-commit`` asks that decode's ``park_commit`` fault to hold a
-finished transfer before its commit (by its rid). The abort family's ``/abort_request`` calls
-are what any client of upstream's HTTP API can send.
+finished transfer before its commit (by its rid), and the incident family
+(``incident-walk*``, ``stack == OWN_SERVERS``) starts, restarts and reconfigures its own servers
+the way an operator does (``benchmark.incident``), never a target the runner opened. The abort
+family's ``/abort_request`` calls are what any client of upstream's HTTP API can send.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ from benchmark.targets import (
 if TYPE_CHECKING:
     from pdsafe_testkit.late_write import Trio
     from pdsafe_testkit.servers import GenResult
+
+    from benchmark.harness import Harness
 
 #: The fake-transfer bootstrap host of upstream (``disaggregation/utils.py``
 #: ``FAKE_BOOTSTRAP_HOST``); hard-coded so the benchmark does not import the server package.
@@ -189,6 +193,7 @@ class Ctx:
                                     bootstrap_port=self.target.bootstrap_port, room=room,
                                     bound_s=self.knobs.bound_s)
             job.side["prefill"] = (p.status, p.message[:200], p.timed_out)
+            job.side["prefill_answer"] = p
             return d
 
         job.call = call
@@ -313,17 +318,55 @@ class Ctx:
         return rec
 
 
+#: ``Scenario.stack`` of a scenario that starts, restarts and stops its own servers (harness
+#: only, never ``deployment_ok``): the runner opens no stack for it and calls its function with
+#: an ``OwnCtx`` instead of a ``Ctx`` on a target.
+OWN_SERVERS = "own servers"
+
+
+@dataclass
+class OwnCtx:
+    """What a scenario with its own servers gets: the harness to start them with (its
+    ``env(variant)`` selects the build), the cell's coordinates, the oracle and the record.
+    ``ctx_on(target)`` gives a ``Ctx`` on one of the scenario's stacks that appends to the same
+    records, phases and notes, so requests on every stack it starts are judged like any other.
+    ``checks``: what the operator sees at each step, compared with the guide
+    (``pdsafe_testkit.incident.Check.to_json``); a failed check of the fork fails the run.
+    ``reservations``: what the last stack still held before the scenario stopped it."""
+
+    harness: Harness
+    variant: str
+    backend: str
+    page_size: int
+    ref: Reference
+    knobs: Knobs
+    rng: random.Random
+    on_request: Callable[[int], None] = lambda n: None
+    records: list[RequestRecord] = field(default_factory=list)
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    reservations: dict[str, Any] | None = None
+    targets: list[PDTarget] = field(default_factory=list)
+
+    def ctx_on(self, target: PDTarget) -> Ctx:
+        self.targets.append(target)
+        return Ctx(target, self.ref, self.knobs, self.rng, self.records, self.phases,
+                   self.notes, self.on_request)
+
+
 # ----------------------------------------------------------------------------- registry
 
 
 @dataclass(frozen=True)
 class Scenario:
-    """One registry entry (see the module docstring)."""
+    """One registry entry (see the module docstring). ``fn`` takes a ``Ctx`` on the target the
+    runner opened for ``stack``, or, for ``stack == OWN_SERVERS``, an ``OwnCtx``."""
 
     name: str
     family: str
     stack: str
-    fn: Callable[[Ctx], None] | None
+    fn: Callable[[Any], None] | None
     deployment_ok: bool = False
     harness_ok: bool = True
     known_unsafe_upstream: bool = False
@@ -1548,6 +1591,42 @@ def _corruption_scenario(what: str) -> Scenario:
                     known_unsafe_upstream=True, in_quick=what == "one-layer")
 
 
+def incident_walk(own: OwnCtx) -> None:
+    """The incident's deployment, scaled (prefill KV pool 65 % of the model's context, a larger
+    decode pool), walked the way an operator walks it, each step checked on the message the
+    operator sees (``benchmark.incident``, ``pdsafe_testkit.incident``; docs/operator-guide.md,
+    "A KV pool smaller than the context length"). Fork: (1) the incident's configuration: the
+    prefill refuses to start naming its pool and context; (2) the clamp flag on that leg: both
+    servers healthy, every request refused at pairing on both legs (the context lengths
+    differ; the remedy: the same --context-length on both); (3) the same --context-length on
+    both legs, the pool step 1 named: after a victim, every prompt within the pair's advertised
+    limit reference-identical, every longer one (up to the model's context) a 4xx naming the
+    limit. Stock 0.5.23 starts the incident's configuration and answers prompts between its
+    prefill's pool and the context over pages prefill never wrote (the placeholder handoff): a
+    leak, HTTP 200 whose canary attribution names the victim. Own servers (restarts), harness
+    only. Probes UPSTREAM-GAPS 1 (placeholder handoff, limit checked only in the scheduler).
+    """
+    from benchmark import incident
+
+    incident.walk(own, truncate=False)
+
+
+def incident_walk_auto_truncate(own: OwnCtx) -> None:
+    """``incident-walk`` with ``--allow-auto-truncate`` on every server of the walk. Step 3
+    expects every over-long prompt answered with the reference answer of its first L tokens
+    (L: the pair's advertised limit); each leg cuts at its own limit, so when the legs' limits
+    differ (page sizes above 5: prefill's page rounding) the walk lowers --context-length on
+    both by the difference first, as the guide says, and checks that they then agree. Stock
+    0.5.23 cuts the prompt on the prefill only (its decode's limit is the context's) and
+    decodes the rest of decode's reservation over the victim's KV: a leak naming the victim
+    (the incident's divergence). Own servers, harness only. Probes UPSTREAM-GAPS 1 (no coverage
+    handshake).
+    """
+    from benchmark import incident
+
+    incident.walk(own, truncate=True)
+
+
 def _planned(name: str, family: str, doc: str, stage: str, *, unsafe: bool = True,
              reason: str | None = None) -> Scenario:
     return Scenario(name, family, "default", None, known_unsafe_upstream=unsafe,
@@ -1612,6 +1691,12 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     # the same stock crash there.
     Scenario("room-n-greater-1", "room", "default", room_n_greater_1, deployment_ok=True,
              known_unsafe_upstream=True, in_quick=False),
+    # Own servers (five to seven starts per cell, both variants about N s per backend and
+    # page size, docs/benchmark.md): full matrix only; the runner runs them after the stacks.
+    Scenario("incident-walk", "incident", OWN_SERVERS, incident_walk,
+             known_unsafe_upstream=True, in_quick=False),
+    Scenario("incident-walk-auto-truncate", "incident", OWN_SERVERS,
+             incident_walk_auto_truncate, known_unsafe_upstream=True, in_quick=False),
 )}
 
 

@@ -88,6 +88,32 @@ def test_fork_leak_sets_exit_status(tmp_path: Path) -> None:
         "spoof-fake-bootstrap-host [mooncake, page 1, fork]"]
 
 
+def test_a_failed_operator_check_of_the_fork_sets_exit_status(tmp_path: Path) -> None:
+    """An operator-path check (``benchmark.incident``) that failed on the fork is a fork
+    failure like a leak; on the base it is reported, not failed."""
+    def walked(variant: str, ok: bool) -> rpt.Cell:
+        return rpt.Cell("incident-walk", "incident", "mooncake", 1, variant,
+                        records=[_rec("victim-V", Outcome.IDENTICAL)],
+                        checks=[{"step": "1 first start", "what": "the prefill exits",
+                                 "ok": True, "expected": "", "seen": ""},
+                                {"step": "2 clamp", "what": "the pairing refusal", "ok": ok,
+                                 "expected": "pdsafe: ...", "seen": "HTTP 200"}])
+    scen = {"incident-walk": SCENARIOS["incident-walk"].describe()}
+    rep = rpt.write_all({"versions": {}, "timing": {}}, scen,
+                        [walked("base", False), walked("fork", True)], None, tmp_path)
+    assert rep["summary"]["exit_status"] == 0
+    assert rep["summary"]["failed_checks"] == [
+        "incident-walk [mooncake, page 1, base] step 2 clamp: the pairing refusal"]
+    md = (tmp_path / "report.md").read_text()
+    assert "## Operator-path checks" in md and "**FAILED** step 2 clamp" in md
+    assert "2 checks ok" in md and "**1 of 2 checks failed**" in md
+    rep = rpt.write_all({"versions": {}, "timing": {}}, scen, [walked("fork", False)], None,
+                        tmp_path)
+    assert rep["summary"]["exit_status"] == 1
+    assert rep["summary"]["fork_failures"] == [
+        "incident-walk [mooncake, page 1, fork]: 1 operator-path check(s) failed"]
+
+
 def test_fork_leak_in_overhead_bursts_sets_exit_status() -> None:
     overhead = {"status": "measured", "content": {"fork": {"sent": 4, "leak": 0, "hang": 1},
                                                   "base": {"sent": 4, "leak": 2}}}

@@ -21,7 +21,14 @@ from benchmark import client
 from benchmark.canary import owner_of
 from benchmark.outcomes import Outcome, classify
 from benchmark.regression import parse_args
-from benchmark.scenarios import FULL_ONLY, SCENARIOS, SMOKE_SCENARIOS, _planned, applicable
+from benchmark.scenarios import (
+    FULL_ONLY,
+    OWN_SERVERS,
+    SCENARIOS,
+    SMOKE_SCENARIOS,
+    _planned,
+    applicable,
+)
 from benchmark.targets import (
     CHAT_SUFFIX,
     CTX_DIV_PREFILL_CONTEXT,
@@ -33,8 +40,20 @@ from benchmark.targets import (
 
 def test_every_harness_scenario_has_its_stack() -> None:
     for s in SCENARIOS.values():
-        if s.implemented and s.harness_ok:
+        if s.implemented and s.harness_ok and s.stack != OWN_SERVERS:
             assert s.stack in STACK_KINDS, (s.name, s.stack)
+
+
+def test_scenarios_with_their_own_servers_are_harness_only_and_full_matrix() -> None:
+    """They restart and reconfigure servers (``benchmark.incident``): never against a
+    deployment, and not in --quick (several server starts per cell)."""
+    own = [s for s in SCENARIOS.values() if s.stack == OWN_SERVERS]
+    assert {s.name for s in own} == {"incident-walk", "incident-walk-auto-truncate"}
+    for s in own:
+        assert s.implemented and s.harness_ok and not s.deployment_ok and not s.in_quick
+        assert not applicable(s, deployment=True)[0]
+        assert applicable(s, deployment=False) == (True, "")
+        assert applicable(s, deployment=False, quick=True) == (False, FULL_ONLY)
 
 
 def test_divergence_stacks_differ_in_exactly_their_setting() -> None:

@@ -89,8 +89,25 @@ def skeleton(mod: ModuleType, node: ast.expr) -> str:
         return skeleton(mod, node.left) + skeleton(mod, node.right)
     if isinstance(node, ast.IfExp):
         return HOLE
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        built = _builder_return(mod, node.func.id)
+        if built is not None:  # a module function that builds the message (pure, quotable)
+            return skeleton(mod, built)
     c = _constant(mod, node)
     return c if c is not None else HOLE
+
+
+def _builder_return(mod: ModuleType, name: str) -> ast.expr | None:
+    """The returned expression of ``mod``'s top-level function ``name`` when its body is a
+    docstring and one ``return`` (a message builder such as ``admission.capacity_refusal``)."""
+    tree = ast.parse(Path(mod.__file__).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            body = [b for b in node.body if not (isinstance(b, ast.Expr)
+                                                 and isinstance(b.value, ast.Constant))]
+            if len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value:
+                return body[0].value
+    return None
 
 
 def _functions(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef]]:

@@ -186,6 +186,35 @@ class CapacityInvariantError(policy.StartupRefusedError):
     """A PD server's KV pool cannot hold one request of its context length."""
 
 
+def capacity_refusal(mode: str, kv_capacity: int, context_len: int) -> str:
+    """The message a ``mode`` server (prefill or decode) refuses to start with when its KV pool
+    holds ``kv_capacity`` tokens, fewer than its context length ``context_len``.
+
+    Pure (docs/operator-guide.md quotes it with example numbers; test/unit/
+    test_operator_guide_incident.py builds it here). Names both numbers and both remedies,
+    and that the two legs of a pair must end with the same context length: a clamp on one leg
+    only makes decode refuse to pair with it (``pair_agreement``)."""
+    return (
+        f"pdsafe: refusing to start this {mode} server: its KV "
+        f"pool holds {kv_capacity} tokens, fewer than its context length {context_len}, "
+        f"so one full-length request cannot fit and the two sides of the PD pair could "
+        f"admit different prompts. Either lower --context-length to at most "
+        f"{kv_capacity} (or raise the KV pool with --max-total-tokens / "
+        f"--mem-fraction-static), or pass {CLAMP_FLAG} to lower the effective context "
+        f"length to {kv_capacity} (logged and advertised in /model_info). Both legs of a PD "
+        f"pair must run the same context length (decode refuses to pair otherwise): give "
+        f"prefill and decode the same --context-length, at most the smaller KV pool."
+    )
+
+
+def clamp_warning(kv_capacity: int, context_len: int) -> str:
+    """The WARNING a server started with the clamp flag logs when it lowers its context length
+    (pure; quoted by docs/operator-guide.md like ``capacity_refusal``)."""
+    return (f"KV pool holds {kv_capacity} tokens, fewer than the context length {context_len}: "
+            f"lowering the effective context length to {kv_capacity} ({CLAMP_FLAG}). "
+            f"/model_info and /server_info advertise context_length={kv_capacity}.")
+
+
 @hook("admission.enforce_kv_capacity", outcome=Outcome.POISON, counter=FAILED,
       on_failure=policy.reraise_at_startup, effect="the server refuses to start")
 def enforce_kv_capacity(server_args: Any, kv_capacity: int, context_len: int) -> int:
@@ -210,23 +239,10 @@ def enforce_kv_capacity(server_args: Any, kv_capacity: int, context_len: int) ->
     effective = int(context_len)
     if kv_capacity < context_len:
         if getattr(server_args, CLAMP_FIELD, False):
-            logger.warning(
-                "KV pool holds %d tokens, fewer than the context length %d: lowering the "
-                "effective context length to %d (%s). /model_info and /server_info "
-                "advertise context_length=%d.",
-                kv_capacity, context_len, kv_capacity, CLAMP_FLAG, kv_capacity,
-            )
+            logger.warning("%s", clamp_warning(kv_capacity, context_len))
             effective = int(kv_capacity)
         elif mode != "null":
-            raise CapacityInvariantError(
-                f"pdsafe: refusing to start this {mode} server: its KV "
-                f"pool holds {kv_capacity} tokens, fewer than its context length {context_len}, "
-                f"so one full-length request cannot fit and the two sides of the PD pair could "
-                f"admit different prompts. Either lower --context-length to at most "
-                f"{kv_capacity} (or raise the KV pool with --max-total-tokens / "
-                f"--mem-fraction-static), or pass {CLAMP_FLAG} to lower the effective context "
-                f"length to {kv_capacity} (logged and advertised in /model_info)."
-            )
+            raise CapacityInvariantError(capacity_refusal(mode, kv_capacity, context_len))
     if mode == "decode":
         reserved = int(server_args.num_reserved_decode_tokens)
         if kv_capacity <= reserved:

@@ -342,11 +342,18 @@ def _log_pairing(kv_mgr: Any, addr: str, prefill: PairSettings, decode: PairSett
         if addr in v.logged:
             return
         v.remember(v.logged, addr, "ok")
-    limits = [x for x in (prefill.max_prompt_tokens, decode.max_prompt_tokens) if x is not None]
-    logger.info("pdsafe: paired with prefill %s (settings agree); the pair accepts prompts of "
-                "at most %s tokens (prefill %s, decode %s)", addr,
-                min(limits) if limits else "?", prefill.max_prompt_tokens,
-                decode.max_prompt_tokens)
+    logger.info("%s", pairing_message(addr, prefill.max_prompt_tokens,
+                                      decode.max_prompt_tokens))
+
+
+def pairing_message(prefill_addr: str, prefill_limit: int | None,
+                    decode_limit: int | None) -> str:
+    """The INFO line a decode logs once per prefill it pairs with: the pair's prompt limit (the
+    smaller of both legs' ``max_prompt_tokens``; pure, quoted by docs/operator-guide.md)."""
+    limits = [x for x in (prefill_limit, decode_limit) if x is not None]
+    return (f"pdsafe: paired with prefill {prefill_addr} (settings agree); the pair accepts "
+            f"prompts of at most {min(limits) if limits else '?'} tokens (prefill "
+            f"{prefill_limit}, decode {decode_limit})")
 
 
 def _refuse(queue: Any, bootstrap_addr: str, message: str, decode_reqs: list[Any], *,
