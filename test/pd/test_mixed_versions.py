@@ -132,7 +132,7 @@ def stock_decode(request, stock_env, log_dir: Path, model_path: Path) -> Iterato
 DECODE_WAIVER = {"SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS": "decode-protections"}
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=ci_backends())
 def stock_decode_waived(request, stock_env, log_dir: Path,
                         model_path: Path) -> Iterator[PDStack]:
     """Function-scoped: torn down right after its test (the module's other stacks stay)."""

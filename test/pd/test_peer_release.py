@@ -57,7 +57,7 @@ from typing import Any
 
 import pytest
 import requests
-from pdsafe_testkit.backends import BACKENDS
+from pdsafe_testkit.backends import ci_backends
 from pdsafe_testkit.metrics import scrape, sum_samples
 from pdsafe_testkit.oracle import random_prompt
 from pdsafe_testkit.servers import (
@@ -112,7 +112,10 @@ def _cfg(role: str, shape: dict[str, tuple[int, int]], model_path: Path) -> Serv
                         context_length=ctx, env=env)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+#: Mooncake in CI; ``PDSAFE_FULL_BACKENDS=all`` adds NIXL here. NIXL's peer-release path runs in
+#: CI at the transport level (``test/kv/test_kv_transfer.py``: real NIXL managers, senders and
+#: receivers, every abort and refusal point), where it is a few seconds instead of minutes.
+@pytest.fixture(scope="module", params=ci_backends())
 def stacks(request: pytest.FixtureRequest, log_dir: Path, model_path: Path,
            oracle) -> Iterator[Stacks]:
     """Both PD pairs of one backend, started together (4 servers, then 2 routers).
