@@ -217,6 +217,26 @@ def test_health_reason_recognises_the_registered_refusals():
     assert policy.health_reason([RuntimeError("some other error")]) is None
 
 
+def test_a_health_probe_refused_by_a_failed_check_is_unhealthy_at_once():
+    """/health's own probe refused because a check could not run: 503 with that refusal now,
+    not after upstream's 20 s health timeout (found by the hook-failure suite)."""
+    name = _name()
+
+    @hook(name, outcome=Outcome.REFUSE, counter=FAILED, on_failure=policy.raise_refusal,
+          effect="503 for the request in hand")
+    def door() -> None:
+        raise RuntimeError("broken")
+
+    try:
+        with pytest.raises(policy.RefusedError) as info:
+            door()
+        reason = policy.health_reason([info.value])
+        assert reason is not None and name in reason and "could not run" in reason
+        assert policy.health_reason([RuntimeError("the detokenizer is slow")]) is None
+    finally:
+        _drop(name)
+
+
 def test_a_hook_name_is_declared_once_and_needs_a_declared_counter():
     with pytest.raises(ValueError, match="declared twice"):
         hook("room_guard.claim", outcome=Outcome.REFUSE, counter=FAILED,

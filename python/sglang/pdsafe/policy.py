@@ -89,6 +89,10 @@ LOG_INTERVAL_S = 10.0
 MAX_FAILURE_KEYS = 65536
 #: How every poison refusal begins (``/health`` and the HTTP layer recognise it by this).
 POISON_MARKER = "pdsafe: this server stopped admitting PD requests"
+#: In every refusal a failed check answers (:meth:`Failure.refusal`). ``/health`` answers 503 at
+#: once when its own probe got one (:func:`health_reason`): the server cannot serve a request
+#: now, and upstream would otherwise wait out its health timeout (20 s) before saying so.
+CHECK_FAILED_MARKER = "check could not run on this server"
 
 
 class Outcome(enum.Enum):
@@ -203,7 +207,7 @@ class Failure:
             f"Retry; operators: see the server log (ERROR '{self.spec.name}') and "
             f"{metrics.PREFIX}{self.counter}")
         return Refusal(int(status), (
-            f"pdsafe: the {self.spec.name} check could not run on this server ({cause[:300]}), "
+            f"pdsafe: the {self.spec.name} {CHECK_FAILED_MARKER} ({cause[:300]}), "
             f"so {what} was refused instead of being served unchecked. {fix}."), self.counter)
 
 
@@ -618,8 +622,9 @@ def poison_refusal() -> Refusal | None:
 
 
 def health_reason(errors: list[BaseException] | tuple[BaseException, ...] = ()) -> str | None:
-    """``/health``: why this server answers 503 (poisoned, or its health request refused by a
-    pdsafe limit whose message starts with one of :data:`HEALTH_MARKERS`), else None."""
+    """``/health``: why this server answers 503 (poisoned, its health request refused by a
+    pdsafe limit whose message contains one of :data:`HEALTH_MARKERS`, or by a check that could
+    not run), else None."""
     p = poisoned()
     if p is not None:
         return p.message()
@@ -632,7 +637,7 @@ def health_reason(errors: list[BaseException] | tuple[BaseException, ...] = ()) 
 
 #: Refusal texts that make ``/health`` answer 503 (registered by the modules that refuse
 #: admission for the whole server: the quarantine limit, the KV mismatch breaker, poison).
-HEALTH_MARKERS: list[str] = [POISON_MARKER]
+HEALTH_MARKERS: list[str] = [POISON_MARKER, CHECK_FAILED_MARKER]
 
 
 def health_marker(marker: str) -> str:

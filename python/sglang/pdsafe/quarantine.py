@@ -697,5 +697,6 @@ policy.health_marker(LIMIT_MARKER)
       effect="/health answers 503 with the failure (unhealthy, never healthy unchecked)")
 def health_refusal(errors: Iterable[BaseException]) -> str | None:
     """``/health``: the reason to answer 503 (this server is poisoned, or its health check
-    was refused by the quarantine limit or the KV mismatch breaker), else None."""
+    was refused by the quarantine limit, the KV mismatch breaker or a check that could not
+    run), else None."""
     return policy.health_reason(tuple(errors))
