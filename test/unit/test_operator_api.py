@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -147,13 +148,24 @@ def test_a_failure_releases_nothing_and_answers_500(decode, tmp_path, monkeypatc
 
 
 @pytest.fixture(scope="module")
-def client():
+def client() -> Iterator[Any]:
+    import asyncio
+
     from sglang.srt.entrypoints import http_server
     from starlette.testclient import TestClient
 
-    # Not entered as a context manager: upstream's lifespan (it starts the server's
-    # processes) does not run; the route is served by the app as routed.
-    return TestClient(http_server.app, client=("10.9.8.7", 4242))
+    # Importing upstream's http_server installs uvloop's event-loop policy for the process;
+    # the test client's portal runs on the default asyncio loop instead (uvloop in a process
+    # forked after the import, as `pdsafe-patches check --each-patch` runs its tests, gives
+    # anyio no current task). Restored afterwards.
+    policy = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
+    try:
+        # Not entered as a context manager: upstream's lifespan (it starts the server's
+        # processes) does not run; the route is served by the app as routed.
+        yield TestClient(http_server.app, client=("10.9.8.7", 4242))
+    finally:
+        asyncio.set_event_loop_policy(policy)
 
 
 def test_the_route_releases_through_the_state_dir_into_the_schedulers_quarantine(
