@@ -157,15 +157,11 @@ def client() -> Iterator[Any]:
     # Importing upstream's http_server installs uvloop's event-loop policy for the process;
     # the test client's portal runs on the default asyncio loop instead (uvloop in a process
     # forked after the import, as `pdsafe-patches check --each-patch` runs its tests, gives
-    # anyio no current task). Restored afterwards.
-    policy = asyncio.get_event_loop_policy()
-    asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
-    try:
-        # Not entered as a context manager: upstream's lifespan (it starts the server's
-        # processes) does not run; the route is served by the app as routed.
-        yield TestClient(http_server.app, client=("10.9.8.7", 4242))
-    finally:
-        asyncio.set_event_loop_policy(policy)
+    # anyio no current task).
+    # Not entered as a context manager: upstream's lifespan (it starts the server's
+    # processes) does not run; the route is served by the app as routed.
+    yield TestClient(http_server.app, client=("10.9.8.7", 4242),
+                     backend_options={"loop_factory": asyncio.SelectorEventLoop})
 
 
 def test_the_route_releases_through_the_state_dir_into_the_schedulers_quarantine(
