@@ -357,8 +357,9 @@ def test_a_failed_stamp_never_breaks_the_free_and_fails_every_later_check_closed
     with pytest.raises(page_generation.BrokenTableError):
         page_generation.changed(a, torch.unique(held // ps), snap)
     # a decode transfer checked against it is refused (fail closed)
-    dreq = SimpleNamespace(req=SimpleNamespace(rid="r", bootstrap_room=ROOM,
-                                               kv=SimpleNamespace(holds_kv=True)))
+    kv = SimpleNamespace(holds_kv=True)
+    dreq = SimpleNamespace(req=SimpleNamespace(rid="r", bootstrap_room=ROOM, kv=kv,
+                                               detach_kv=lambda: kv))
     transfer.record_for(dreq.req).pages = page_generation.Reservation(room=ROOM, rid="r",
                                                                      kv=snap)
     queue = SimpleNamespace(scheduler=SimpleNamespace(token_to_kv_pool_allocator=a))
@@ -369,7 +370,8 @@ def test_a_failed_stamp_never_breaks_the_free_and_fails_every_later_check_closed
     # the row is held for good (accounted as in use), never a possible double free
     released = []
     page_generation.release_request(dreq, lambda: released.append(t.skip))
-    assert released == [] and dreq.req.kv in transfer.held_rows()
+    assert released == [] and kv in transfer.held_rows()
+    transfer.drop_row(id(dreq.req))
 
 
 # =========================================================================== startup
@@ -610,6 +612,41 @@ def test_failed_transfer_release_skips_recycled_pages(decode):
     decode.tq._release_request(dreq)
     assert set(decode.pages(other)).isdisjoint(set(decode.alloc.get_all_free_pages().tolist()))
     assert _delta(before) == {page_generation.MOVED: 1, page_generation.SKIPPED: 1}
+
+
+def test_failed_release_holds_the_row_detached_and_accounts_each_page_once(decode):
+    """``page_generation.release_request`` failing (HOLD): nothing is freed, the request is
+    left an empty KV record (no later upstream path can free the held pages), and the held
+    row's accounting leaves out the page freed under the transfer, so the pool adds up as
+    upstream's strict idle memory check counts it (the hook-failure suite's finding of
+    2026-12-02: the check found a page both free and held and killed the decode scheduler)."""
+    from sglang.pdsafe import transfer
+    from sglang.srt.managers.scheduler_components.pool_stats_observer import kv_private_tokens
+
+    victim = decode.request("victim", ROOM)
+    dreq = decode.reserve(victim)
+    reserved = decode.pages(victim)
+    moved = int(decode.rtt.req_to_token[victim.kv.req_pool_idx, 0]) // PAGE
+    decode.alloc.free(decode.rtt.req_to_token[victim.kv.req_pool_idx, :PAGE])  # moved
+    decode.alloc.merge_and_sort_free()
+    free_before = decode.alloc.available_size()
+    held_before = len(transfer.held_rows())
+    before = _counts()
+    with patch.object(page_generation, "_moved_detail", side_effect=RuntimeError("boom")):
+        decode.tq._release_request(dreq)
+    assert decode.alloc.available_size() == free_before, "a held release freed pages"
+    assert not victim.kv.holds_kv and victim.kv.kv_allocated_len == 0, "row not detached"
+    rows = transfer.held_rows()
+    assert len(rows) == held_before + 1
+    held = rows[-1]
+    # three pages reserved, one freed under the transfer: two are the row's, counted once
+    assert kv_private_tokens(held, PAGE) == 2 * PAGE
+    (kept,) = [h.pages for h in transfer.held() if h.row is held]
+    assert sorted(kept.tolist()) == sorted(set(reserved) - {moved})
+    assert decode.alloc.available_size() + kv_private_tokens(held, PAGE) == \
+        decode.alloc.size, "the pool does not add up"
+    assert _delta(before) == {page_generation.FAILED: 1}
+    transfer.drop_row(id(victim))
 
 
 def test_decode_without_a_reservation_is_refused(decode):

@@ -90,3 +90,31 @@ def test_every_backend_answers_refused_rooms_through_the_common_layer(backend):
     assert len(sent) == 2 and m.parse_kv_status_message(sent[1][1])[1] == int(KVPoll.Failed)
     assert room_b not in m.request_status, "a refused room must never look bootstrapped"
     assert metrics.value("peer_notified_release_total") >= before + 2
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_a_room_a_prefill_check_fails_tells_its_decode_at_once(backend):
+    """A prefill check that fails a room whose transfer has not started (``transfer.fail_room``:
+    the coverage attestation, the source snapshot, the digest) answers the room's decode with
+    ``Failed`` and the reason at once. Upstream tells a decode only when a write fails, so
+    without this the decode's client waited for its bootstrap timeout (the hook-failure
+    suite's finding of 2026-12-02)."""
+    from types import SimpleNamespace
+
+    from sglang.pdsafe import transfer
+    from sglang.pdsafe.policy import Refusal
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    m, sent = _prefill_manager(_backend_managers()[backend])
+    room = random.randrange(1 << 62)
+    m.transfer_infos[room] = {"decode-0": SimpleNamespace(endpoint="127.0.0.1", dst_port=4321,
+                                                         is_dummy=False)}
+    m.request_status[room] = KVPoll.WaitingForInput  # metadata in, the sender not yet sending
+    reason = "pdsafe coverage: prefill could not attest what it wrote (RuntimeError: boom)"
+    assert transfer.fail_room(m, room, Refusal(500, reason, "coverage_check_failed_total"))
+    assert len(sent) == 1, f"{backend}: the decode was not told: {sent}"
+    endpoint, parts = sent[0]
+    assert endpoint == "tcp://127.0.0.1:4321"
+    parsed = m.parse_kv_status_message(parts)
+    assert parsed is not None and parsed[0] == room and parsed[1] == int(KVPoll.Failed)
+    assert parsed[3] and "could not attest" in parsed[3], parsed

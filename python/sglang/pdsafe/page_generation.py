@@ -74,6 +74,7 @@ device sync).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -125,6 +126,10 @@ hook_api.require(
     f"{_ALLOC}.swa.SWATokenToKVPoolAllocator", "translate_swa_indices_for_transfer(kv_indices)",
     "swa_req_ring",
     why="page generations: the SWA peer of a full page, and the per-request ring it refuses")
+hook_api.require(
+    "sglang.srt.managers.schedule_batch.Req", "detach_kv()",
+    why="a release that could not run holds the request's KV record and leaves the request "
+        "an empty one, so no later upstream path frees the held pages")
 
 
 def enabled() -> bool:
@@ -554,6 +559,7 @@ class Reservation:
     kv: Snapshot
     mamba: Snapshot | None = None
     moved: list[tuple[GenerationTable, torch.Tensor]] = field(default_factory=list)
+    page_size: int = 1  # tokens per page id of ``kv``
 
 
 def _record(req: Any) -> transfer.Transfer | None:
@@ -608,7 +614,8 @@ def note_decode_reservation(queue: Any, decode_req: Any, page_indices: Sequence[
     rec = transfer.open_for(decode_req.kv_receiver.kv_mgr, req)
     rec.pages = Reservation(room=req.bootstrap_room, rid=str(req.rid),
                             kv=snapshot(allocator, page_indices),
-                            mamba=_mamba_snapshot(queue.req_to_token_pool, req))
+                            mamba=_mamba_snapshot(queue.req_to_token_pool, req),
+                            page_size=int(page_size))
 
 
 #: The refusal when the check itself failed: fail closed (the transfer is not committed).
@@ -658,18 +665,61 @@ def decode_commit_refusal(transfer_queue: Any, decode_req: Any) -> str | None:
     return msg
 
 
+def _still_owned(kv: Any, res: Reservation | None) -> tuple[Any, torch.Tensor | None]:
+    """What a held row still owns: the accounting copy of ``kv`` less the KV pages (and the
+    Mamba slot) that moved since the reservation (freed under the transfer: free now, or
+    another request's), so upstream's idle memory check counts each page once; and the page
+    ids it keeps when some moved (None: all of the row's). Raises when they cannot be read
+    (a broken table)."""
+    if res is None:
+        return kv, None
+    snaps = [res.kv] + ([res.mamba] if res.mamba is not None else [])
+    moved = [(t, mask) for snap in snaps for t, mask in _moved_parts(snap)]
+    kv_moved = [(t, mask) for t, mask in moved if t.table.role in ("kv", "full")]
+    mamba_moved = any(t.table.role == "mamba" for t, _ in moved)
+    if not kv_moved and not mamba_moved:
+        return kv, None
+    n = sum(int(mask.sum()) for _, mask in kv_moved)
+    changes: dict[str, Any] = {"kv_allocated_len": max(
+        kv.cache_protected_len, kv.kv_allocated_len - n * res.page_size)}
+    if mamba_moved:
+        changes["mamba_pool_idx"] = None
+    kept = None
+    if len(kv_moved) == 1 and kv_moved[0][0].owner is None and res.kv.pages is not None:
+        kept = res.kv.pages[~kv_moved[0][1]].to(torch.int64)
+    return dataclasses.replace(kv, **changes), kept
+
+
 def _hold_row(failure: policy.Failure) -> None:
     """A release that could not run: the request's row (pages, request slot) is held for
     good instead of released with pages it may no longer own (a possible double free);
-    accounted to the server, counted."""
+    accounted to the server, counted.
+
+    The row is detached from the request (upstream's ``Req.detach_kv``, which leaves it an
+    empty record): no later upstream path can free the held pages behind the hold. Pages the
+    reservation's snapshot shows moved (freed under the transfer) are not the row's: they are
+    left out of the held row's accounting, so upstream's idle memory check (strict by default:
+    a mismatch kills the scheduler) counts each page once. When not even that can be read,
+    the whole row is held and the server is poisoned: its accounting cannot be trusted."""
     req = getattr(failure.args[0], "req", failure.args[0])
     rec = transfer.of(req)
+    res = rec.pages if rec is not None and isinstance(rec.pages, Reservation) else None
     if rec is not None:
+        rec.pages = None
         if rec.is_open:
             rec.refuse()
         if rec.state in (State.REFUSED, State.HELD):
             rec.advance(State.LEAKED, why=f"the {failure.spec.name} hook failed")
-    transfer.hold_row(id(req), req.kv)
+    kv = req.detach_kv()
+    try:
+        held, pages = _still_owned(kv, res)
+    except Exception as e:  # noqa: BLE001 - the hold stands; the accounting is unknown
+        held, pages = kv, None
+        policy.poison(f"request {getattr(req, 'rid', '?')} is held after its release failed, "
+                      f"and which of its pages moved cannot be read ({type(e).__name__}: {e}); "
+                      "this server's page accounting can no longer be trusted",
+                      by=failure.spec.name)
+    transfer.hold_row(id(req), held, pages)
     metrics.inc("rows_held_for_good_total")
     logger.error("pdsafe page generation: request %s (bootstrap_room=%s) keeps its KV row "
                  "for good: its release could not check which pages are still its own, and a "

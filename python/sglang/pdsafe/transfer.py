@@ -365,14 +365,26 @@ def room_freed(kv_mgr: Any, rec: Transfer) -> None:
 
 #: Request rows held for good (LEAKED) or awaiting evidence (HELD) outside upstream's own
 #: queues; the idle memory check counts them as in use (patch: ``PoolStatsObserver``).
-_held_rows: dict[int, Any] = {}
+_held_rows: dict[int, HeldRow] = {}
 _rows_lock = threading.Lock()
 
 
-def hold_row(key: int, kv_row: Any) -> None:
-    """Keep ``kv_row`` (a request's ``req.kv``) accounted as in use under ``key``."""
+@dataclass(frozen=True)
+class HeldRow:
+    """One held request row: ``row`` is the KV record upstream's idle memory check counts
+    (a ``ReqKvInfo``); ``pages``, when set, are the page ids the hold keeps, narrower than the
+    row's slot range (pages freed under a transfer are no longer the row's: a diagnostic
+    that walks the row's slots must use these instead)."""
+
+    row: Any
+    pages: Any | None = None
+
+
+def hold_row(key: int, kv_row: Any, pages: Any | None = None) -> None:
+    """Keep ``kv_row`` (a request's KV record, or its accounting copy) accounted as in use
+    under ``key``; ``pages``: see :class:`HeldRow`."""
     with _rows_lock:
-        _held_rows[key] = kv_row
+        _held_rows[key] = HeldRow(kv_row, pages)
     metrics.set_gauge("held_rows", float(len(_held_rows)))
 
 
@@ -388,8 +400,14 @@ def drop_row(key: int) -> None:
 def held_rows() -> list[Any]:
     """The request rows pdsafe holds in this process (read by upstream's idle memory
     check, so that a deliberate hold is not reported as a leak)."""
+    return [h.row for h in held()]
+
+
+def held() -> list[HeldRow]:
+    """Every held row that still holds KV, with the pages it keeps where they are narrower
+    than its slot range (for audits and reports)."""
     with _rows_lock:
-        return [row for row in _held_rows.values() if getattr(row, "holds_kv", True)]
+        return [h for h in _held_rows.values() if getattr(h.row, "holds_kv", True)]
 
 
 # =========================================================================== outcomes
@@ -397,10 +415,15 @@ def held_rows() -> list[Any]:
 
 def fail_room(kv_mgr: Any, room: Any, refusal: Refusal) -> bool:
     """Refuse the transfer of ``room`` now, through upstream's own failure path: record the
-    reason and mark the room Failed; the scheduler's next poll fails the request with it
-    (and upstream's failure handling tells the peer: decode sends its ABORT, prefill its
-    Failed status). Returns False when the room has no state on ``kv_mgr`` (nothing to fail:
-    the caller refuses by other means)."""
+    reason and mark the room Failed; the scheduler's next poll fails the request with it.
+
+    The other leg is told at once. On decode, upstream's failure handling sends the prefill
+    its ABORT. On prefill, upstream tells the decode only when a transfer fails mid-write, so
+    a room failed before or between writes would leave its decode waiting for its bootstrap
+    timeout: this function answers the decode's metadata with ``Failed`` and the reason,
+    tagged with the generation it sent, now or when the metadata arrives (peer release's
+    ``prefill_rejected``). Returns False when the room has no state on ``kv_mgr`` (nothing
+    to fail: the caller refuses by other means)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     if room is None or kv_mgr is None:
@@ -415,6 +438,13 @@ def fail_room(kv_mgr: Any, room: Any, refusal: Refusal) -> bool:
         return False
     if status != KVPoll.Success:
         kv_mgr.update_status(room, KVPoll.Failed)
+        mode = getattr(kv_mgr, "disaggregation_mode", None)
+        if getattr(mode, "value", mode) == "prefill":
+            # peer_release imports this module: the import cannot be at module level.
+            from sglang.pdsafe import peer_release
+
+            peer_release.prefill_rejected(kv_mgr, room, refusal.reason,
+                                          status=refusal.status)
     return True
 
 

@@ -185,7 +185,8 @@ def _owner_rows(scheduler: Any) -> dict[str, list[Any]]:
     seen: set[int] = set()
     out: dict[str, list[Any]] = {"held": [], "quarantined": [], "running": []}
     running = [r.kv for r in scheduler.invariant_checker._requests_owning_rows()]
-    for kind, rows in (("held", transfer.held_rows()), ("quarantined", _deferred_rows(scheduler)),
+    for kind, rows in (("held", [h.row for h in transfer.held()]),
+                       ("quarantined", _deferred_rows(scheduler)),
                        ("running", running)):
         for kv in rows:
             if id(kv) in seen or not getattr(kv, "holds_kv", True) or kv.req_pool_idx is None:
@@ -212,6 +213,7 @@ def _sample(t: Any, n: int = 8) -> list[int]:
 def audit(scheduler: Any) -> dict[str, Any]:
     """Audit ``scheduler``'s KV allocator (see the module doc); ``ok`` is the verdict."""
     import torch
+    from sglang.pdsafe import transfer
     from sglang.srt.managers.scheduler_components.pool_stats_observer import kv_private_tokens
 
     alloc = scheduler.token_to_kv_pool_allocator
@@ -222,8 +224,13 @@ def audit(scheduler: Any) -> dict[str, Any]:
     rtt = scheduler.req_to_token_pool.req_to_token
     rows = _owner_rows(scheduler)
     owned = [_tree_pages(scheduler, page)]
+    # a held row whose hold is narrower than its slots (pages freed under its transfer)
+    kept = {id(h.row): h.pages for h in transfer.held() if h.pages is not None}
     for kvs in rows.values():
         for kv in kvs:
+            if id(kv) in kept:
+                owned.append(kept[id(kv)].long())
+                continue
             slots = rtt[kv.req_pool_idx, kv.cache_protected_len:kv.kv_allocated_len]
             owned.append(_pages(slots, page))
     owned_all = torch.cat(owned) if owned else torch.empty(0, dtype=torch.int64)
