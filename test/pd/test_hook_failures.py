@@ -185,20 +185,14 @@ def test_the_suite_covers_every_hook_the_servers_declare(suite: Suite) -> None:
             assert (outcome, counter) == (BY_NAME[name].outcome, BY_NAME[name].counter), name
 
 
-#: Open findings of the suite (CI run of 2026-12-02, Mooncake, entry mode; issue 19 stays open
-#: until each is fixed): the hook's failure outcome is not yet closed end to end. Marked xfail
-#: (not strict: the waits are timing-dependent on 2 cores) so that the rest of the suite gates
-#: CI; each case still runs, records its problems in hook-failures.json and reports XPASS once
-#: fixed. See docs/failure-policy-suite.md.
-KNOWN_FINDINGS: dict[str, str] = {
-    "coverage.attest_prefill_hook": "decode's client waits for the 20 s timeout: the prefill's "
-                                    "refusal does not reach the decode leg at once",
-    "page_generation.note_source_chunk": "decode's client waits for the 20 s timeout",
-    "peer_capability.refuses_transfer_info": "decode's client waits for the 20 s timeout",
-    "page_generation.release_request": "the decode scheduler died and the allocator audit found "
-                                       "a page both free and in use: the HOLD outcome of a "
-                                       "failed release is not yet closed",
-}
+#: Open findings of the suite: a hook whose failure outcome is not yet closed end to end is
+#: listed here with the reason, and its case is marked xfail (not strict: the waits are
+#: timing-dependent on 2 cores) so that the rest of the suite gates CI; the case still runs,
+#: records its problems in hook-failures.json and reports XPASS once fixed. None open: the four
+#: the CI run of 2026-12-02 found (three prefill-side refusals whose decode leg waited for its
+#: 20 s timeout, and a held release that killed the decode scheduler) are fixed and their cases
+#: gate CI (docs/failure-policy-suite.md).
+KNOWN_FINDINGS: dict[str, str] = {}
 
 
 def _param(case: tuple[str, str, str]) -> Any:
