@@ -407,32 +407,6 @@ def test_a_failing_check_refuses(monkeypatch):
     assert metrics.value(peer_capability.FAILED) == before + 1
 
 
-@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
-@pytest.mark.parametrize("failing", [False, True], ids=["refused", "check-failed"])
-def test_a_refusal_echoes_the_generation_the_decode_sent(monkeypatch, backend, failing):
-    """A decode that sent its reservation's transfer generation drops a status for the room
-    that does not carry it (a stale message): the prefill's refusal, and the refusal of a
-    check that could not run, must echo it, or the decode's client waits for its bootstrap
-    timeout (the hook-failure suite's finding of 2026-12-02)."""
-    from sglang.pdsafe import transfer_generation
-
-    room = _rooms(1)[0]
-    d, frames = _fork_decode_frames(monkeypatch, backend, [room])
-    generation = random.randrange(1, 1 << 60)
-    frames[-1] = frames[-1] + [transfer_generation.encode_frame(generation)]
-    if failing:
-        def boom(*a: Any) -> None:
-            raise RuntimeError("boom")
-
-        monkeypatch.setattr(peer_capability, "announced_version", boom)
-    else:
-        frames = [f for f in frames if f[0] != peer_capability.ANNOUNCE_TAG]  # a stock decode
-    m, sent, _ = _prefill(backend)
-    _run_bootstrap_loop(monkeypatch, m, frames)
-    assert room not in m.transfer_infos and set(_failed_statuses(m, sent)) == {room}
-    assert [transfer_generation.frame_generation(parts) for _, parts in sent] == [generation]
-
-
 def test_every_backend_names_its_own_identity():
     """Each backend says what its prefills key its metadata by (the common default, None,
     would leave its decodes unannounced: refused by every pdsafe prefill)."""

@@ -340,21 +340,11 @@ def _check_failed(failure: policy.Failure) -> bool:
     endpoint, dst_port = _text(failure.args[3]), int(_text(failure.args[4]))
     refusal = failure.refusal(503, "the KV transfer (this prefill could not check the "
                                    "decode's capability)")
-    _note_generation(kv_mgr, room, failure.args[5] if len(failure.args) > 5
-                     else failure.kwargs.get("msg"))
     try:
         _refuse_room(kv_mgr, room, endpoint, dst_port, refusal.reason)
     finally:
         transfer.fail_room(kv_mgr, room, refusal)
     return True
-
-
-def _note_generation(kv_mgr: Any, room: int, msg: Any) -> None:
-    """Remember the transfer generation the refused metadata ``msg`` carries (if the backend
-    passed it), so the ``Failed`` answer echoes it: the decode drops a status for its live
-    reservation that does not (and its client would wait for its bootstrap timeout)."""
-    if msg is not None:
-        transfer_generation.note_metadata(kv_mgr, room, msg)
 
 
 @hook("peer_capability.refuses_transfer_info", outcome=Outcome.REFUSE, counter=FAILED,
@@ -363,11 +353,10 @@ def _note_generation(kv_mgr: Any, room: int, msg: Any) -> None:
       effect="the decode's metadata is refused (nothing written to it); the room fails on "
              "both legs at once (503)")
 def refuses_transfer_info(kv_mgr: Any, room: int, decode_identity: str, endpoint: Any,
-                          dst_port: Any, msg: Any = None) -> bool:
-    """Prefill control thread, decode metadata for ``room`` arrived (``msg``: the message as
-    received, when the backend passes it), before the backend stores it: True when the decode
-    is refused (the room is failed on both legs; the caller drops the metadata), False to
-    store it as upstream does."""
+                          dst_port: Any) -> bool:
+    """Prefill control thread, decode metadata for ``room`` arrived, before the backend stores
+    it: True when the decode is refused (the room is failed on both legs; the caller drops the
+    metadata), False to store it as upstream does."""
     host = _text(endpoint)
     try:
         port = int(_text(dst_port))
@@ -376,7 +365,6 @@ def refuses_transfer_info(kv_mgr: Any, room: int, decode_identity: str, endpoint
     message = _verdict(kv_mgr, str(decode_identity), host, port)
     if message is None:
         return False
-    _note_generation(kv_mgr, room, msg)
     if port >= 0:
         _refuse_room(kv_mgr, int(room), host, port, message)
     return True
