@@ -22,6 +22,7 @@ one or a stale row fails here.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 from collections.abc import Iterator
@@ -97,11 +98,16 @@ def skeleton(mod: ModuleType, node: ast.expr) -> str:
     return c if c is not None else HOLE
 
 
+@functools.cache
+def _parsed(path: str) -> ast.Module:
+    """A module's syntax tree, parsed once per file."""
+    return ast.parse(Path(path).read_text())
+
+
 def _builder_return(mod: ModuleType, name: str) -> ast.expr | None:
     """The returned expression of ``mod``'s top-level function ``name`` when its body is a
     docstring and one ``return`` (a message builder such as ``admission.capacity_refusal``)."""
-    tree = ast.parse(Path(mod.__file__).read_text())
-    for node in tree.body:
+    for node in _parsed(mod.__file__).body:
         if isinstance(node, ast.FunctionDef) and node.name == name:
             body = [b for b in node.body if not (isinstance(b, ast.Expr)
                                                  and isinstance(b.value, ast.Constant))]
@@ -153,7 +159,7 @@ def refusal_sites() -> list[Site]:
              for s in policy.HOOKS.values() if s.on_failure is policy.reraise_at_startup}
     mods = {f.stem: importlib.import_module(f"sglang.pdsafe.{f.stem}")
             for f in PKG.glob("*.py") if f.stem != "__init__"}
-    trees = {stem: ast.parse((PKG / f"{stem}.py").read_text()) for stem in mods}
+    trees = {stem: _parsed(str(PKG / f"{stem}.py")) for stem in mods}
     fns = {(stem, n): fn for stem, tree in trees.items() for n, fn in _functions(tree)}
     reached, todo = set(roots), list(roots)
     while todo:  # everything a startup hook's body calls, transitively, within the package
@@ -224,5 +230,5 @@ def test_every_startup_refusal_is_in_the_table_and_the_reverse():
 
 def test_the_exclusions_still_exist():
     for stem, fname in NOT_A_STARTUP_REFUSAL:
-        tree = ast.parse((PKG / f"{stem}.py").read_text())
+        tree = _parsed(str(PKG / f"{stem}.py"))
         assert fname in dict(_functions(tree)), f"stale exclusion {stem}.{fname}"
