@@ -78,6 +78,13 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
             # Few threads per server: several servers share 2 cores, and a fixed thread
             # count keeps float reductions identical between the reference and PD servers.
             "OMP_NUM_THREADS": env.get("PDSAFE_OMP_THREADS", "1"),
+            # A stop signals the whole process group: upstream then takes its children's
+            # exit for a crash and sleeps 5 s before its py-spy / CUDA core-dump diagnostics
+            # (neither applies here). Off: a server stops in about a second, not six, which
+            # over the suite's ~90 server stops is minutes of CI (README, Measurements).
+            "SGLANG_PYSPY_DUMP_BEFORE_CRASH": env.get("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0"),
+            "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": env.get("SGLANG_CUDA_COREDUMP_BEFORE_CRASH",
+                                                         "0"),
         }
     )
     if extra:
