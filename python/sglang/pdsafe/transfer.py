@@ -438,7 +438,7 @@ def fail_room(kv_mgr: Any, room: Any, refusal: Refusal) -> bool:
         return False
     if status != KVPoll.Success:
         kv_mgr.update_status(room, KVPoll.Failed)
-        if pd_mode(kv_mgr) == "prefill":
+        if _side_of(kv_mgr) == "prefill":
             # peer_release imports this module: the import cannot be at module level.
             from sglang.pdsafe import peer_release
 
