@@ -25,8 +25,8 @@ minting             ``transfer_generation.*`` (mint, frames, checks of every mes
 page generations    ``page_generation.*`` (snapshots, checks at commit and Success, stamps)
 lease, quarantine   ``source_lease.*``, ``quarantine.*`` (a failed transfer's records, run
                     for the same pages after the transfer: every transfer here succeeds)
-digest planning     ``kv_digest.plan_request`` on the request's row, timed apart (it runs
-                    inside the digest hooks; subtracted from them)
+digest planning     ``kv_digest.plan_request`` on the request's row, timed apart (the fastest
+                    of 3 runs; it runs inside the digest hooks; subtracted from them)
 digest              ``kv_integrity.*`` less the planning: the hashing (excluded from the 1 %)
 other hooks         the rest (room guard, peer release, peer capability, ...)
 ==================  ========================================================================
