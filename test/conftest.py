@@ -65,7 +65,9 @@ def oracle(reference) -> Oracle:
 @pytest.fixture(scope="session", params=BACKENDS)
 def pd(request: pytest.FixtureRequest, log_dir: Path, model_path: Path) -> Iterator[PDStack]:
     """A shared PD pair + router per backend (small pools, page size 1), default configuration:
-    the context length is the pool's size (the operator's remedy for a small pool)."""
+    the context length is the pool's size (the operator's remedy for a small pool). These
+    run under upstream's own ``spawn`` start method, as in production; other test servers
+    start their subprocesses from a forkserver (``pdsafe_testkit.launch``)."""
     backend = request.param
     with pd_stack(
         backend, log_dir,
@@ -74,13 +76,15 @@ def pd(request: pytest.FixtureRequest, log_dir: Path, model_path: Path) -> Itera
                              context_length=SHARED_PREFILL_POOL,
                              # Only acts on bootstrap rooms of its reserved range (the
                              # transfer generation's end-to-end test).
-                             env={"SGLANG_PDSAFE_TEST_FAULTS": "stale_status"}),
+                             env={"SGLANG_PDSAFE_TEST_FAULTS": "stale_status"},
+                             upstream_spawn=True),
         decode=ServerConfig(role="decode", model_path=model_path,
                             max_total_tokens=SHARED_DECODE_POOL,
                             context_length=SHARED_DECODE_POOL,
                             # Only acts on rids with the fault prefixes (the oracle's
                             # self-test, the KV digest's end-to-end corruption tests).
-                            env={"SGLANG_PDSAFE_TEST_FAULTS": "foreign_kv:16,kv_corrupt"}),
+                            env={"SGLANG_PDSAFE_TEST_FAULTS": "foreign_kv:16,kv_corrupt"},
+                            upstream_spawn=True),
     ) as stack:
         yield stack
 

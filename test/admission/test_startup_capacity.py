@@ -27,6 +27,7 @@ from pdsafe_testkit.servers import (
     ServerConfig,
     SGLangServer,
     launch_server,
+    stop_together,
     wait_server,
 )
 from sglang.pdsafe.admission import CLAMP_FLAG
@@ -61,8 +62,7 @@ def refused(log_dir: Path, model_path: Path) -> Iterator[dict[str, SGLangServer]
                 time.sleep(1.0)
         yield servers
     finally:
-        for s in servers.values():
-            s.stop()
+        stop_together(*servers.values())
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -100,8 +100,7 @@ def clamped(log_dir: Path, model_path: Path) -> Iterator[dict[str, SGLangServer]
             wait_server(s)
         yield servers
     finally:
-        for s in servers.values():
-            s.stop()
+        stop_together(*servers.values())
 
 
 def _check_advertised(url: str, kv: int) -> None:

@@ -46,6 +46,7 @@ from pdsafe_testkit.servers import (
     SGLangServer,
     direct_pd_generate,
     launch_server,
+    stop_together,
     wait_server,
 )
 
@@ -110,8 +111,7 @@ def walk(request: pytest.FixtureRequest, log_dir: Path, model_path: Path) -> Ite
         w.mark("step 3 pairs up")
         yield w
     finally:
-        for s in started:
-            s.stop()
+        stop_together(*started)
         print(f"\nincident walk wall times (s from the module's start): {w.times}")
 
 

@@ -98,6 +98,7 @@ from pdsafe_testkit.servers import (
     generate,
     launch_server,
     restart_server,
+    stop_together,
     wait_server,
 )
 
@@ -229,8 +230,7 @@ def late_write_stack(backend: str, log_dir: Path, model_path: Path,
         yield Trio(backend, *started, held_s=held_s,
                    other_s=held_s if other_s is None else other_s)
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_together(*reversed(started))
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -270,6 +270,15 @@ class ServerConfig:
     allow_auto_truncate: bool = False
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    #: Start under upstream's own ``spawn`` start method, not through the forkserver of
+    #: ``pdsafe_testkit.launch`` (its docstring says what that changes and why it is safe).
+    upstream_spawn: bool = False
+
+    def launcher(self) -> list[str]:
+        """The command that starts this server, before its arguments."""
+        if self.upstream_spawn or os.environ.get("PDSAFE_SERVER_START") == "spawn":
+            return [sys.executable, "-m", "sglang.launch_server"]
+        return [sys.executable, "-m", "pdsafe_testkit.launch"]
 
 
 @dataclass
@@ -371,7 +380,7 @@ def _spawn_server(cfg: ServerConfig, log_dir: Path, *, port: int | None = None,
     """Start the process of ``cfg`` (fresh ports unless given; ``suffix`` ends its name)."""
     port = reserve_port() if port is None else port
     argv = [
-        sys.executable, "-m", "sglang.launch_server",
+        *cfg.launcher(),
         "--model-path", str(cfg.model_path),
         "--host", "127.0.0.1", "--port", str(port),
         "--device", "cpu", "--dtype", "float32",
@@ -484,9 +493,34 @@ class PDStack:
     router: Router | None
 
     def stop(self) -> None:
-        for p in (self.router, self.decode, self.prefill):
-            if p is not None:
-                p.stop()
+        stop_together(self.router, self.decode, self.prefill)
+
+
+def stop_together(*servers: Any) -> None:
+    """Stop every given server, router or process (``None`` skipped) at the same time.
+
+    Each stop signals a process group and waits for it to exit (about a second for a server);
+    one after the other, a stack's three stops cost seconds on every module teardown."""
+    live = [x for x in servers if x is not None]
+    if len(live) <= 1:
+        for x in live:
+            x.stop()
+        return
+    errors: list[BaseException] = []
+
+    def _stop(x: Any) -> None:
+        try:
+            x.stop()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after every stop ran
+            errors.append(e)
+
+    threads = [threading.Thread(target=_stop, args=(x,), daemon=True) for x in live]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 @contextmanager
@@ -514,9 +548,7 @@ def pd_stack(
         stack = PDStack(backend, p, d, router)
         yield stack
     finally:
-        for x in (router, d, p):
-            if x is not None:
-                x.stop()
+        stop_together(router, d, p)
 
 
 @contextmanager
