@@ -192,24 +192,14 @@ def test_the_suite_covers_every_hook_the_servers_declare(suite: Suite) -> None:
 #: run of 2026-12-02 found, ``page_generation.release_request`` is closed (the held row is
 #: detached and accounted page by page) and the prefill-side refusals now reach the decode at
 #: once (``transfer.fail_room`` answers the decode's metadata with Failed), except where noted.
+#: Closed since: ``transfer_generation.mint`` (a receiver cleared twice dropped the status of
+#: the room's next request; a second clear now leaves it alone, patch 0018) and
+#: ``peer_capability.refuses_transfer_info`` (its Failed echoes the metadata's generation).
 KNOWN_FINDINGS: dict[str, str] = {
     "coverage.attest_prefill_hook": "the abort items: a decode leg aborted while its prefill "
                                     "room fails still waits for the 20 s timeout",
     "page_generation.note_source_chunk": "the abort items: a decode leg aborted while its "
                                          "prefill room fails still waits for the 20 s timeout",
-    "peer_capability.refuses_transfer_info": "the refusal's Failed carries no transfer "
-                                             "generation (the metadata is refused before it "
-                                             "is noted), so a decode that sent one drops it and "
-                                             "waits 20 s; echoing it made the decode scheduler "
-                                             "die in upstream's check_status (KeyError) on the "
-                                             "duplicate-room item, so it is not done yet",
-    "transfer_generation.mint": "found in the CI sample of 2026-12-02 (second run; the first "
-                                "passed): with the mint failing, the first request of a "
-                                "shared room fails at once and the decode's room guard lets "
-                                "its duplicate in; upstream's clear of the first then drops "
-                                "the room's status under the second, and the decode "
-                                "scheduler dies (KeyError in check_status). The room claim "
-                                "must outlive the receiver's clear",
 }
 
 

@@ -407,6 +407,35 @@ def test_a_failing_check_refuses(monkeypatch):
     assert metrics.value(peer_capability.FAILED) == before + 1
 
 
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+@pytest.mark.parametrize("why", ["refused", "check failed"])
+def test_the_refusals_failed_echoes_the_generation_the_metadata_carried(monkeypatch, backend,
+                                                                         why):
+    """A decode that sent a transfer generation with its metadata drops any status for the
+    room without it (a stale message). The refusal is sent before the metadata is stored, so
+    it must still carry that generation: the decode then fails the request at once instead
+    of waiting for its bootstrap timeout (hook-failure suite, issue 19 item 4)."""
+    from sglang.pdsafe import transfer_generation
+
+    room = _rooms(1)[0]
+    generation = random.randrange(1, 1 << 62)
+    d, frames = _fork_decode_frames(monkeypatch, backend, [room])
+    frames[-1] = [*frames[-1], transfer_generation.encode_frame(generation)]
+    if why == "refused":  # a stock-like decode: no announcement
+        frames = [f for f in frames if f[0] != peer_capability.ANNOUNCE_TAG]
+    else:
+        def boom(*a: Any) -> None:
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(peer_capability, "announced_version", boom)
+    m, sent, _ = _prefill(backend)
+    _run_bootstrap_loop(monkeypatch, m, frames)
+    assert room not in m.transfer_infos
+    tagged = [transfer_generation.frame_generation(parts) for _, parts in sent]
+    assert _failed_statuses(m, sent).keys() == {room}
+    assert tagged == [generation], f"the Failed carried {tagged}, the metadata {generation}"
+
+
 def test_every_backend_names_its_own_identity():
     """Each backend says what its prefills key its metadata by (the common default, None,
     would leave its decodes unannounced: refused by every pdsafe prefill)."""

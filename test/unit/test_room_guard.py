@@ -299,6 +299,43 @@ def test_decode_abort_keeps_the_room_until_the_receiver_is_cleared(side: str) ->
     assert room_guard.door(q, _req("c")) is None
 
 
+@pytest.mark.parametrize("side", ["prefill", "decode"], indirect=True)
+def test_a_second_clear_leaves_the_rooms_next_request_alone(side: str) -> None:
+    """Upstream clears an endpoint again after ``failure_exception`` cleared it (the queue
+    retires the request). By then the guard may have admitted the room's next request: the
+    second clear must neither drop that request's status (the decode scheduler died in
+    ``check_status`` with a KeyError, hook-failure suite, CI of 2026-12-02) nor free its
+    claim. A room nobody holds is still cleaned up by a late clear."""
+    kv = _kv_mgr(side)
+    q = _queue(side, kv)
+    _admit(q, _req("a"))
+    first = _sender(kv) if side == "prefill" else _receiver(kv)
+    kv.request_status[ROOM] = KVPoll.Failed
+    with pytest.raises(KVTransferError):
+        first.failure_exception()
+    assert ROOM not in kv.request_status
+    nxt = _req("next")
+    _admit(q, nxt)
+    assert _entered(q, nxt), "the room's next request was refused after the first clear"
+    kv.request_status[ROOM] = KVPoll.Bootstrapping  # the next request's endpoint opened it
+    kv.transfer_infos[ROOM] = "next's metadata"
+    first.clear()
+    assert kv.request_status.get(ROOM) == KVPoll.Bootstrapping, (
+        "a second clear of the first endpoint dropped the next request's status")
+    assert kv.transfer_infos.get(ROOM) == "next's metadata"
+    holder = room_guard.live_rooms(kv).holder(ROOM)
+    assert holder is not None and holder.rid == "next", "the second clear freed the next claim"
+    assert room_guard.door(q, _req("third")) is not None, "the live room stopped refusing"
+    # The next request's own endpoint releases normally; a late clear of the first one then
+    # finds the room free and drops what is left of it.
+    second = _sender(kv) if side == "prefill" else _receiver(kv)
+    second.clear()
+    assert room_guard.live_rooms(kv).holder(ROOM) is None
+    kv.request_status[ROOM] = KVPoll.Failed  # a stale status nobody owns
+    first.clear()
+    assert ROOM not in kv.request_status
+
+
 # --------------------------------------------------------------------------- cross-pairing
 
 

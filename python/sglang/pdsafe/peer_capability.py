@@ -61,6 +61,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from sglang.pdsafe import (
@@ -95,7 +96,7 @@ WARN_INTERVAL_S = 10.0
 _KV_MANAGER = "sglang.srt.disaggregation.common.conn.CommonKVManager"
 require(_KV_MANAGER, "pdsafe_decode_identity()", "pdsafe_on_peer_announce(msg)",
         "pdsafe_on_decode_registration(decode_identity)",
-        "pdsafe_refuses_decode(bootstrap_room, decode_identity, endpoint, dst_port)",
+        "pdsafe_refuses_decode(bootstrap_room, decode_identity, endpoint, dst_port, msg)",
         why="decodes announce their pdsafe wire version before registering, and prefills "
             "refuse metadata from decodes that did not (decode capability, issue 11)")
 require(_KV_MANAGER, "pdsafe_room_status(bootstrap_room)",
@@ -335,11 +336,15 @@ def _text(value: Any) -> str:
 
 def _check_failed(failure: policy.Failure) -> bool:
     """The capability check could not run: the metadata is refused (dropped) and the room
-    fails here; the decode is told Failed when possible."""
+    fails here; the decode is told Failed (tagged with its generation) when possible."""
     kv_mgr, room = failure.args[0], int(failure.args[1])
     endpoint, dst_port = _text(failure.args[3]), int(_text(failure.args[4]))
     refusal = failure.refusal(503, "the KV transfer (this prefill could not check the "
                                    "decode's capability)")
+    try:
+        _note_generation(kv_mgr, room, failure.kwargs.get("msg"))
+    except Exception:  # noqa: BLE001 - note_metadata's own policy counted it; refuse anyway
+        logger.debug("pdsafe: the refused room %s's generation could not be noted", room)
     try:
         _refuse_room(kv_mgr, room, endpoint, dst_port, refusal.reason)
     finally:
@@ -353,10 +358,12 @@ def _check_failed(failure: policy.Failure) -> bool:
       effect="the decode's metadata is refused (nothing written to it); the room fails on "
              "both legs at once (503)")
 def refuses_transfer_info(kv_mgr: Any, room: int, decode_identity: str, endpoint: Any,
-                          dst_port: Any) -> bool:
+                          dst_port: Any, msg: Sequence[bytes] | None = None) -> bool:
     """Prefill control thread, decode metadata for ``room`` arrived, before the backend stores
     it: True when the decode is refused (the room is failed on both legs; the caller drops the
-    metadata), False to store it as upstream does."""
+    metadata), False to store it as upstream does. ``msg``: the metadata message, where the
+    backend passes it; its transfer generation tags the refusal's ``Failed``, so a decode
+    that sent one takes it at once instead of dropping it as stale."""
     host = _text(endpoint)
     try:
         port = int(_text(dst_port))
@@ -365,6 +372,15 @@ def refuses_transfer_info(kv_mgr: Any, room: int, decode_identity: str, endpoint
     message = _verdict(kv_mgr, str(decode_identity), host, port)
     if message is None:
         return False
+    _note_generation(kv_mgr, room, msg)
     if port >= 0:
         _refuse_room(kv_mgr, int(room), host, port, message)
     return True
+
+
+def _note_generation(kv_mgr: Any, room: int, msg: Sequence[bytes] | None) -> None:
+    """Remember the generation the refused metadata carries (as for stored metadata), so the
+    refusal's ``Failed`` echoes it. A failure to note it fails the room here too (that
+    hook's policy); the refusal goes out either way."""
+    if msg is not None:
+        transfer_generation.note_metadata(kv_mgr, int(room), msg)

@@ -35,6 +35,8 @@ room's state), per room::
     free --claim (a sender/receiver is about to be created for the room)--> live(record)
     live --release (that sender/receiver is cleared; a prefill sender is aborted)--> free
     live --door(another request, same room)--> live (the newcomer is refused 409)
+    any  --release again (the same sender/receiver, a later clear)--> unchanged; the caller
+         drops upstream's per-room state only if the room is free (never a newcomer's)
 
 Invariant: while a room is live on a server, no second request of that room gets a KV sender
 or receiver there (a re-entry of the same request, decode retraction or re-bootstrap, is not a
@@ -314,25 +316,44 @@ def _endpoint_key(endpoint: Any) -> Any:
     return ("room", getattr(endpoint, "bootstrap_room", None))
 
 
+def _released_failed(failure: Any) -> bool:
+    """A release that cannot run keeps the room: the record stays live (new requests of the
+    room are refused 409) and the caller keeps upstream's per-room state too."""
+    return False
+
+
 @hook("room_guard.released", outcome=Outcome.HOLD, counter=FAILED,
-      on_failure=lambda failure: None, key=_endpoint_key,
-      effect="the room stays live here (new requests of it refused 409); nothing is freed")
-def released(endpoint: Any) -> None:
-    """A KV sender/receiver dropped its room's state (``clear``) or a prefill sender was
-    aborted: the room is free on this server (unless a source lease keeps it: its drained
-    release frees it, ``transfer.Leg.release_room``)."""
+      on_failure=_released_failed, key=_endpoint_key,
+      effect="the room stays live here (new requests of it refused 409) and upstream keeps "
+             "its per-room state; nothing is freed")
+def released(endpoint: Any) -> bool:
+    """A KV sender/receiver is about to drop its room's per-room state (``clear``) or a
+    prefill sender was aborted: the room is free on this server (unless a source lease keeps
+    it: its drained release frees it, ``transfer.Leg.release_room``).
+
+    Returns whether the caller may drop upstream's per-room state of the room (status,
+    transfer infos, trackers). False only for an endpoint that released its room before
+    while another request holds the room now: upstream clears a receiver a second time on
+    its failure paths (``failure_exception`` clears it, the queue clears it again when it
+    retires the request), and by then the room guard may have admitted the room's next
+    request, whose status that second clear would drop (the decode scheduler then dies in
+    ``check_status`` with a KeyError). A release is counted once per endpoint: a second one
+    never frees a record of another request."""
     room = getattr(endpoint, "bootstrap_room", None)
     kv_mgr = getattr(endpoint, "kv_mgr", None)
     if room is None or kv_mgr is None:
-        return
+        return True
     lg = transfer.leg_if_any(kv_mgr)
-    rec = lg.of_room(int(room)) if lg is not None else None
-    if rec is None:
-        return
-    if rec.keeps_room:  # a source lease holds the room until its chunks drained
-        return
+    if lg is None:
+        return True
+    rec = lg.of_room(int(room))
+    if not lg.first_release(endpoint):
+        return rec is None
+    if rec is None or rec.keeps_room:  # a source lease holds the room until it drained
+        return True
     lg.close(rec)
     transfer.room_freed(kv_mgr, rec)
+    return True
 
 
 def _answer_refused_duplicates(kv_mgr: Any, rec: transfer.Transfer) -> None:

@@ -48,6 +48,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -172,6 +173,11 @@ class Transfer:
         return self.state in TERMINAL
 
 
+#: Released endpoints a leg keeps alive when it cannot reference them weakly (a second
+#: clear comes within the same request's retirement, long before this many others).
+RELEASED_STRONG_MAX = 4096
+
+
 class Leg:
     """One KV manager's records and tables (see the module doc)."""
 
@@ -183,6 +189,12 @@ class Leg:
         self.retired: OrderedDict[int, Transfer] = OrderedDict()
         self._seq = itertools.count(1)
         self._tables: dict[str, Any] = {}
+        #: Endpoints (KV senders/receivers) that released their room here already (weak: an
+        #: endpoint is forgotten with its request).
+        self._released_endpoints: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: The same for endpoints that cannot be weakly referenced: kept alive (so their id
+        #: stays theirs), the oldest dropped past :data:`RELEASED_STRONG_MAX`.
+        self._released_strong: OrderedDict[int, Any] = OrderedDict()
 
     # -- records
     def open(self, room: int | None, rid: str) -> Transfer:
@@ -218,6 +230,25 @@ class Leg:
                 self.held[rec.seq] = rec
             else:
                 self._retire(rec)
+
+    def first_release(self, endpoint: Any) -> bool:
+        """True the first time ``endpoint`` releases its room here, False on every later
+        call (upstream clears an endpoint more than once on some failure paths)."""
+        with self.lock:
+            try:
+                if endpoint in self._released_endpoints:
+                    return False
+                self._released_endpoints.add(endpoint)
+                return True
+            except TypeError:  # not weakly referenceable
+                pass
+            key = id(endpoint)
+            if key in self._released_strong:
+                return False
+            self._released_strong[key] = endpoint
+            while len(self._released_strong) > RELEASED_STRONG_MAX:
+                self._released_strong.popitem(last=False)
+            return True
 
     def keep_room(self, rec: Transfer) -> Transfer | None:
         """Keep ``rec``'s room live past its endpoint's clear (a draining source lease);
