@@ -119,3 +119,28 @@ def test_spoofed_health_check_rid_refused(pd_case, small, small_oracle, model_pa
     assert 400 <= r.status_code < 500 and "HEALTH_CHECK" in r.text, r.text[:300]
     small_oracle.assert_identical(generate(st.router.url, prompt, 16), prompt, 16,
                                   what="after rid spoof attempts")
+
+
+MM_COUNTER = "sglang:pdsafe_rejected_client_mm_hashes_total"
+
+
+def test_client_mm_hashes_refused_400(small, small_oracle, model_path):
+    """A client-chosen prefix-cache key (``mm_hashes``, CVE-2026-111392) is refused with 400
+    on /generate, single and batch, and counted; the same request without it is served, the
+    reference's answer token for token."""
+    prompt = random_prompt(random.Random("mm-hashes"), 24, model_path)
+    key = "ab" * 32
+    bodies = [
+        {"input_ids": prompt, "mm_hashes": [key], "sampling_params": {"max_new_tokens": MAX_NEW}},
+        {"input_ids": [prompt, prompt], "mm_hashes": [[key], None],
+         "sampling_params": {"max_new_tokens": MAX_NEW}},
+    ]
+    before = metric_total(small.url, MM_COUNTER)
+    for body in bodies:
+        r = requests.post(small.url + "/generate", json=body, timeout=60)
+        assert r.status_code == 400, f"HTTP {r.status_code}: {r.text[:300]}"
+        msg = error_message(r.json())
+        assert "mm_hashes is refused from clients" in msg, msg
+    assert metric_total(small.url, MM_COUNTER) == before + len(bodies)
+    small_oracle.assert_identical(generate(small.url, prompt, MAX_NEW), prompt, MAX_NEW,
+                                  what="the same request without mm_hashes")

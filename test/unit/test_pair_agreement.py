@@ -276,7 +276,10 @@ def test_prefill_settings_travel_through_the_real_bootstrap_server():
                "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": "127.0.0.1",
                "rank_port": 1, "page_size": 64, "kv_cache_dtype": "float32",
                "pdsafe_pair": settings(page_size=64).to_wire()}
-        assert requests.put(url, json=row, timeout=10).status_code == 200
+        from sglang.pdsafe import bootstrap_auth
+
+        assert requests.put(url, json=row, timeout=10,
+                            headers=bootstrap_auth.headers()).status_code == 200
         query = "?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
         stock = requests.get(url + query, timeout=10).json()
         assert "pdsafe_pair" not in stock

@@ -1,4 +1,4 @@
-"""The startup checks and the protection report (``sglang.pdsafe.startup``, patch 0029).
+"""The startup checks and the protection report (``sglang.pdsafe.startup``, patch 0030).
 
 * A PD server whose installed upstream lacks a method the pdsafe hooks call refuses to start
   with the list of what is missing; a co-located server does not need the PD hook targets.
@@ -55,8 +55,10 @@ def test_each_role_reports_only_its_own_protections() -> None:
     assert "prefill-source-lease" in prefill and "prefill-source-lease" not in decode
     assert "decode-page-quarantine" in decode and "decode-page-quarantine" not in prefill
     assert "decode-commit-gate" in decode and "decode-commit-gate" not in prefill
+    assert "bootstrap-auth" in prefill and "bootstrap-auth" not in decode
     co = protections.status(_args("null"))
-    assert set(co) == {"http-input-length-limit", "client-bypass-guard"}
+    assert set(co) == {"http-input-length-limit", "client-bypass-guard",
+                       "client-cache-key-guard"}
 
 
 def test_a_decode_does_not_report_a_prefill_protection_off(monkeypatch, caplog) -> None:

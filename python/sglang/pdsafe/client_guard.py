@@ -64,6 +64,20 @@ serve traffic without the transfer checks. Behind the HTTP server and the offlin
 door does nothing (the funnel above checked every client request, and the server's own
 warmups there have other shapes).
 
+**Client-chosen cache keys.** ``GenerateReqInput.mm_hashes`` lets the caller set the hash of
+each image's processor features, which upstream 0.5.23 uses as the item's prefix-cache key and
+the encoder server's embedding-cache key (``TokenizerManager._tokenize_one_request``:
+``item.set_hash``); a client that sends another request's image hash could reuse that request's
+cached KV or embedding (CVE-2026-111392). The same funnel refuses a client request carrying
+``mm_hashes`` with 400 (``rejected_client_mm_hashes_total``) unless the operator sets
+``SGLANG_PDSAFE_TRUST_CLIENT_MM_HASHES=1`` (an external KV router that computes them for every
+request; the startup report lists the guard as OFF then). The other client fields checked for
+the same role (``docs/operator-guide.md``, "Client fields that key caches or transfers"):
+``mm_content_hashes`` (identifies media, never replaces the cache key), ``bootstrap_room``
+(the room guard), ``rid`` (upstream refuses a rid already in flight); ``session_params`` is
+not covered (a session id is a bearer capability upstream: whoever knows it continues the
+session's KV).
+
 Invariant: a request that the server did not build itself never reaches the scheduler with the
 fake bootstrap host or a health-check rid, on any entry point, unless it is probe-shaped and
 came through an smg gRPC front end (where it decodes over zeroed pages); it is refused with 400
@@ -100,6 +114,7 @@ __all__ = [
     "FAKE_BOOTSTRAP_HOST",
     "HEALTH_CHECK_RID_PREFIX",
     "INTERNAL_HEADER",
+    "ClientCacheKeyError",
     "SpoofedInternalFieldError",
     "adopt_worker_handoff",
     "check_client_request",
@@ -114,6 +129,10 @@ __all__ = [
 FAILED = "admission_check_failed_total"
 SPOOFED_HOST = "rejected_spoofed_bootstrap_host_total"
 SPOOFED_RID = "rejected_spoofed_rid_total"
+CLIENT_MM_HASHES = "rejected_client_mm_hashes_total"
+#: ``1``: accept client ``mm_hashes`` (an external KV router that computes its own image hashes
+#: and sits in front of every client). Off by default; a startup warning while set.
+ENV_TRUST_MM_HASHES = "SGLANG_PDSAFE_TRUST_CLIENT_MM_HASHES"
 
 INTERNAL_HEADER = "x-sglang-pdsafe-internal"
 #: Key of the secret in the scheduler info the launcher hands its HTTP worker processes.
@@ -133,6 +152,20 @@ register(Protection(
            "health-check rid (server-internal switches that skip the KV transfer/checks)",
     roles=EVERY,
 ))
+
+register(Protection(
+    name="client-cache-key-guard",
+    guards="client requests may not choose prefix-cache keys (mm_hashes replace the hash of "
+           "an image's features: another request's cached KV or embedding would be reused)",
+    roles=EVERY,
+    switched_off=lambda _args: (f"{ENV_TRUST_MM_HASHES}=1" if mm_hashes_trusted() else None),
+))
+
+
+def mm_hashes_trusted() -> bool:
+    """Whether the operator accepts client ``mm_hashes`` (:data:`ENV_TRUST_MM_HASHES`)."""
+    return os.environ.get(ENV_TRUST_MM_HASHES, "").strip().lower() in ("1", "true", "on", "yes")
+
 
 #: Set while the server runs its own requests in-process (its warmups): see module doc.
 _SERVER_INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -156,6 +189,13 @@ class SpoofedInternalFieldError(AdmissionError):
     """A client request carried a server-internal marker."""
 
     error_code = "server_internal_field"
+
+
+class ClientCacheKeyError(AdmissionError):
+    """A client request chose a prefix-cache key (``mm_hashes``)."""
+
+    error_code = "client_cache_key_refused"
+    param = "mm_hashes"
 
 
 def _token() -> str:
@@ -235,7 +275,8 @@ def is_server_built(request: Any) -> bool:
       on_failure=raise_refusal,
       effect="503 before the request is registered (every TokenizerManager entry point)")
 def check_client_request(obj: Any, request: Any) -> None:
-    """Refuse a client request carrying the fake bootstrap host or a health-check rid, and
+    """Refuse a client request carrying the fake bootstrap host, a health-check rid or a
+    chosen prefix-cache key (``mm_hashes``, unless the operator trusts them) with 400, and
     every request of a poisoned server (503).
 
     ``obj``: a GenerateReqInput / EmbeddingReqInput (single or batch, before normalization);
@@ -255,6 +296,26 @@ def check_client_request(obj: Any, request: Any) -> None:
         if _is_health_rid(rid):
             metrics.inc(SPOOFED_RID)
             raise SpoofedInternalFieldError(_health_rid_reason(rid))
+    if _chose(getattr(obj, "mm_hashes", None)) and not mm_hashes_trusted():
+        metrics.inc(CLIENT_MM_HASHES)
+        raise ClientCacheKeyError(_mm_hashes_reason())
+
+
+def _chose(value: Any) -> bool:
+    """True when a client field holds any value (a list of lists counts per item)."""
+    if value is None:
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(_chose(v) for v in value)
+    return value != ""
+
+
+def _mm_hashes_reason() -> str:
+    return ("mm_hashes is refused from clients: it replaces the hash of each image's features, "
+            "which keys the prefix cache and the encoder's embedding cache, so a chosen value "
+            "could reuse another request's cached KV (CVE-2026-111392). Send the images "
+            "without mm_hashes (the server hashes them itself). Operators whose external KV "
+            f"router computes these hashes for every request can set {ENV_TRUST_MM_HASHES}=1.")
 
 
 def _is_fake_host(host: Any) -> bool:

@@ -35,6 +35,8 @@ COUNTERS: dict[str, str] = {
         "Client requests rejected for carrying the server-internal fake bootstrap host.",
     "rejected_spoofed_rid_total":
         "Client requests rejected for carrying the server-internal health-check rid prefix.",
+    "rejected_client_mm_hashes_total":
+        "Client requests rejected for carrying mm_hashes (a client-chosen prefix-cache key).",
     "peer_notified_release_total":
         "Requests whose peer was told to release its reservation after a local rejection.",
     "peer_release_notify_failed_total":
@@ -56,6 +58,14 @@ COUNTERS: dict[str, str] = {
     "pair_agreement_failed_total":
         "Pair-agreement hooks that failed (publishing, comparing or refusing raised); "
         "upstream's pairing behaviour applied.",
+    # bootstrap writes need a key (issue 21, item 3)
+    "bootstrap_unauthorized_total":
+        "Writes to a prefill's bootstrap server (PUT /route, POST /register_dp_rank) refused "
+        "with 401: no key or a key the server does not accept (an attempt to re-point a "
+        "prefill rank's registration, or a prefill node configured with another key).",
+    "bootstrap_auth_failed_total":
+        "Bootstrap-key hooks that failed (a write check or a rank's key lookup raised); the "
+        "write was refused.",
     # client-chosen bootstrap rooms (issue #9, item 1)
     "room_duplicate_refused_total":
         "PD requests refused (HTTP 409) at a scheduler door because their bootstrap_room is "

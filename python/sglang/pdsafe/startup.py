@@ -64,6 +64,7 @@ HOOK_MODULES: tuple[str, ...] = (
     "sglang.pdsafe.limits",
     "sglang.pdsafe.pair_agreement",
     "sglang.pdsafe.room_guard",
+    "sglang.pdsafe.bootstrap_auth",
     "sglang.pdsafe.quarantine",
     "sglang.pdsafe.operator_api",
     "sglang.pdsafe.write_fence",
@@ -135,6 +136,12 @@ def launching(server_args: Any) -> dict[str, bool]:
     if is_pd(server_args) and policy.state_dir() is None:
         policy.create_state_dir()
     _checks(server_args)
+    if is_pd(server_args) and pd_mode(server_args) == "prefill":
+        from sglang.pdsafe import bootstrap_auth
+
+        # Before any scheduler exists: they inherit the key from this process.
+        logger.info("pdsafe: bootstrap writes need the key from %s",
+                    bootstrap_auth.prepare(server_args))
     return report(server_args)
 
 
@@ -146,6 +153,10 @@ def scheduler_starting(server_args: Any) -> None:
     report too when no launcher ran :func:`launching` (smg gRPC; ``--use-ray`` actors that
     did not inherit the launcher's state directory)."""
     _checks(server_args)
+    if is_pd(server_args) and pd_mode(server_args) == "prefill":
+        from sglang.pdsafe import bootstrap_auth
+
+        bootstrap_auth.rank_starting(server_args)
     from sglang.pdsafe import client_guard
 
     if policy.state_dir() is None and (
