@@ -2,10 +2,11 @@
 so that the mode an operator points at a GPU cluster cannot rot (issue 22, item 3).
 
 What starts (real servers, real router, real Mooncake over loopback): a fork deployment of two
-prefill and two decode instances behind one ``smg`` router, a stock 0.5.23 pair (patches
-0001-0003, ``benchmark.base_tree``) behind another, and a co-located reference. Every server
-runs with ``--api-key`` and ``--admin-api-key``, every router with ``--api-key``: a request
-without the right key gets 401, so a run that judges answers at all carried the keys.
+prefill and two decode instances behind one ``smg`` router and a stock 0.5.23 pair (patches
+0001-0003, ``benchmark.base_tree``) behind another; the co-located reference is the suite's
+shared one. Every deployment server runs with ``--api-key`` and ``--admin-api-key``, every
+router with ``--api-key``: a request without the right key gets 401, so a run that judges
+answers at all carried the keys.
 
 The benchmark then runs as an operator runs it: ``python -m benchmark.regression --target-*
 --base-target-* --target-reference ...`` with the keys in ``PDSAFE_BENCH_API_KEY`` /
@@ -48,6 +49,7 @@ from pdsafe_testkit.servers import (
     StartupError,
     launch_server,
     server_env,
+    stop_together,
     wait_healthy,
     wait_server,
 )
@@ -107,7 +109,8 @@ def _router(prefills: list[SGLangServer], decodes: list[SGLangServer], log_dir: 
 
 
 @pytest.fixture(scope="module")
-def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+def deployments(tmp_path_factory: pytest.TempPathFactory,
+                reference: SGLangServer) -> Iterator[dict[str, object]]:
     from benchmark.base_tree import DEFAULT_TREE, prepare_base_tree
 
     log_dir = Path(os.environ.get("PDSAFE_LOG_DIR", REPO / "build" / "test-logs")) / \
@@ -115,16 +118,21 @@ def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     base_env = prepare_base_tree(DEFAULT_TREE).env()
     t0 = time.monotonic()
     with ExitStack() as stack:
-        plan = [("reference", "colocated", {}), ("fork-p1", "prefill", {}),
+        # The suite's shared co-located reference judges the answers (it has no key: a
+        # keyless server takes the benchmark's keyed requests like any other).
+        plan = [("fork-p1", "prefill", {}),
                 ("fork-p2", "prefill", {}), ("fork-d1", "decode", {}),
                 ("fork-d2", "decode", {}), ("base-p", "prefill", base_env),
                 ("base-d", "decode", base_env)]
-        servers: dict[str, SGLangServer] = {}
+        servers: dict[str, SGLangServer] = {"reference": reference}
+        # Stopped together at the end (after the routers), never the shared reference.
+        stack.callback(lambda: stop_together(*(s for n, s in servers.items()
+                                               if n != "reference")))
         for name, role, env in plan:  # all start at once; waited for below
             servers[name] = launch_server(_cfg(role, env), log_dir, wait=False)
-            stack.callback(servers[name].stop)
-        for s in servers.values():
-            wait_server(s)
+        for name, s in servers.items():
+            if name != "reference":
+                wait_server(s)
         fork_router = _router([servers["fork-p1"], servers["fork-p2"]],
                               [servers["fork-d1"], servers["fork-d2"]], log_dir, stack)
         base_router = _router([servers["base-p"]], [servers["base-d"]], log_dir, stack)

@@ -132,7 +132,7 @@ def test_client_mm_hashes_refused_400(small, small_oracle, model_path):
     key = "ab" * 32
     bodies = [
         {"input_ids": prompt, "mm_hashes": [key], "sampling_params": {"max_new_tokens": MAX_NEW}},
-        {"input_ids": [prompt, prompt], "mm_hashes": [[key], None],
+        {"input_ids": [prompt, prompt], "mm_hashes": [[key], [key]],
          "sampling_params": {"max_new_tokens": MAX_NEW}},
     ]
     before = metric_total(small.url, MM_COUNTER)

@@ -44,7 +44,9 @@ it pairs, before it announces itself or sends any metadata, so it refuses in bot
   round (``prefill='sglang-pdsafe-pair/4', decode='sglang-pdsafe-pair/2'``).
 
 Pairing is refused over HTTP before either KV backend moves a byte, so these run on Mooncake
-only unless ``PDSAFE_FULL_BACKENDS=all`` (``pdsafe_testkit.backends.ci_backends``).
+only unless ``PDSAFE_FULL_BACKENDS=all`` (``pdsafe_testkit.backends.ci_backends``). So does the
+fork prefill's refusal of a stock decode (CI's time budget): it runs in each backend's own
+bootstrap thread, which ``test/unit/test_peer_capability.py`` drives on every backend.
 
 What this does not cover: a fork prefill's own refusal of a decode that announced another wire
 version over the KV wire (the decode refuses that prefill first, at pairing); that path, even
@@ -61,7 +63,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from pdsafe_testkit.backends import BACKENDS, ci_backends
+from pdsafe_testkit.backends import ci_backends
 from pdsafe_testkit.metrics import metric_total
 from pdsafe_testkit.oracle import Oracle, random_prompt
 from pdsafe_testkit.servers import (
@@ -121,7 +123,7 @@ def stock_prefill(request, stock_env, log_dir: Path, model_path: Path) -> Iterat
 
 #: No router: it waits for a served request before it counts as started, and this pair serves
 #: none (the router sends each request to both legs, as ``direct_pd_generate`` does).
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=ci_backends())
 def stock_decode(request, stock_env, log_dir: Path, model_path: Path) -> Iterator[PDStack]:
     with pd_stack(request.param, log_dir, prefill=_cfg("prefill", model_path),
                   decode=_cfg("decode", model_path, stock_env), with_router=False) as st:

@@ -11,6 +11,7 @@ literal passed to them must be declared. Also: ``FAKE_BOOTSTRAP_HOST`` is define
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,15 @@ PDSAFE_DIR = Path(metrics.__file__).resolve().parent
 DECLARED = {**metrics.COUNTERS, **metrics.GAUGES, **metrics.HISTOGRAMS}
 
 
+@functools.cache
 def _modules() -> dict[str, ast.Module]:
+    """Every module of the package, parsed once for the whole file (read-only)."""
     return {p.name: ast.parse(p.read_text(), str(p)) for p in sorted(PDSAFE_DIR.glob("*.py"))}
+
+
+@functools.cache
+def _literals_by_module() -> dict[str, frozenset[str]]:
+    return {f: frozenset(_string_literals(tree)) for f, tree in _modules().items()}
 
 
 def _docstrings(tree: ast.Module) -> set[int]:
@@ -56,8 +64,8 @@ def _metric_calls(tree: ast.Module) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("name", sorted(DECLARED))
 def test_declared_metric_is_used_somewhere(name):
-    users = [f for f, tree in _modules().items()
-             if f != "metrics.py" and name in _string_literals(tree)]
+    users = [f for f, literals in _literals_by_module().items()
+             if f != "metrics.py" and name in literals]
     assert users, f"{name} is declared in metrics.py but nothing in sglang.pdsafe uses it"
 
 

@@ -293,7 +293,7 @@ class FaultStack:
         dcfg = ServerConfig(role="decode", model_path=self.model_path, max_total_tokens=POOL,
                             context_length=CONTEXT, env=_server_env(
                                 "decode", self.control_path,
-                                "hook_fail,free_reserved,kv_corrupt"))
+                                f"hook_fail,free_reserved,kv_corrupt,park_commit:{PARK_S:g}"))
         self._exit = ExitStack()
         try:
             self.stack = self._exit.enter_context(
@@ -677,6 +677,44 @@ def item_alias(w: Workload) -> list[Answer]:
     return w.direct("alias", ids, _room(), host=host)
 
 
+#: How long the decode parks a ``parked_duplicate`` request between its transfer's Success and
+#: its commit (the test fault ``park_commit``; only rids with its prefix are parked).
+PARK_S = 6.0
+
+
+def item_parked_duplicate(w: Workload) -> list[Answer]:
+    """A request whose transfer succeeded but which the decode has not committed yet (parked
+    by the test fault ``park_commit``), and a second request of the same room sent in that
+    window, to both legs directly. The room is live on both servers, so the room guard must
+    refuse the second (409); a guard that let it in would have the second receiver share the
+    first one's Success, and upstream's decode scheduler dies on it ("Unexpected poll case:
+    4"), taking every request with it. Not a calibration item: only the legacy room-claim
+    case runs it (it waits for the park)."""
+    room = _room()
+    first_ids, second_ids = w.prompt("parked", 0), w.prompt("parked", 1)
+    for p in (first_ids, second_ids):
+        w.oracle.expected(p, MAX_NEW)
+    rid = f"{faults.PARK_PREFIX}{uuid.uuid4().hex}"
+
+    def parked() -> bool:
+        return any(e.rid == rid and e.event == "parked"
+                   for e in faults.parse_park_log(w.stack.decode.process.log_text()))
+
+    with ThreadPoolExecutor(1) as ex:
+        first = ex.submit(w.direct, "parked", first_ids, room, rid=rid)
+        deadline = time.monotonic() + ANSWER_BOUND_S
+        while not parked() and not first.done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = w.direct("parked", second_ids, room, strict_prefill=False)
+        return first.result() + second
+
+
+#: Items only the legacy demonstrations run (never calibrated, never in a hook's case).
+LEGACY_ITEMS: dict[str, Callable[[Workload], list[Answer]]] = {
+    "parked_duplicate": item_parked_duplicate,
+}
+
+
 #: The workload items, by name, cheapest first.
 ITEMS: dict[str, Callable[[Workload], list[Answer]]] = {
     "info": item_info,
@@ -701,7 +739,7 @@ def run_items(w: Workload, names: list[str]) -> list[Answer]:
     out = ITEMS["info"](w) if "info" in names else []
     rest = [n for n in names if n != "info"]
     with ThreadPoolExecutor(max(1, len(rest))) as ex:
-        futs = [ex.submit(ITEMS[n], w) for n in rest]
+        futs = [ex.submit(ITEMS.get(n) or LEGACY_ITEMS[n], w) for n in rest]
         return out + [a for f in futs for a in f.result()]
 
 
