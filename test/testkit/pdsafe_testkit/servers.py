@@ -210,7 +210,7 @@ def _thread_ticks(pid: int) -> dict[int, int]:
     return out
 
 
-def deprioritise_busy_pollers(pid: int, sample_s: float = 1.0) -> list[int]:
+def deprioritise_busy_pollers(pid: int, sample_s: float = 0.5) -> list[int]:
     """Renice to 19 the threads of an idle server that still burn a core.
 
     NIXL's UCX progress thread polls with no delay (``nixl_agent`` hard-codes ``pthrDelay =
