@@ -122,6 +122,14 @@ def _receiver(kv_mgr: SimpleNamespace, room: int = ROOM) -> CommonKVReceiver:
     return r
 
 
+class _Endpoint:
+    """A KV sender/receiver stand-in for ``room_guard.released`` (weakly referenceable, as
+    upstream's endpoints are)."""
+
+    def __init__(self, room: int, kv_mgr: object) -> None:
+        self.bootstrap_room, self.kv_mgr = room, kv_mgr
+
+
 # --------------------------------------------------------------------------- the registry
 
 
@@ -421,7 +429,7 @@ def test_prefill_release_fails_the_refused_duplicates_decode_leg() -> None:
     reg.note_refused(ROOM)  # what door() records when it refuses B
     m.transfer_infos[ROOM] = {"decode-0": info}  # B's metadata arrived after A's transfer
     m.request_status[ROOM] = KVPoll.Success
-    room_guard.released(SimpleNamespace(bootstrap_room=ROOM, kv_mgr=m))
+    room_guard.released(_Endpoint(ROOM, m))
     assert reg.holder(ROOM) is None
     assert len(sent) == 1, sent
     parsed = m.parse_kv_status_message(sent[0][1])
@@ -456,5 +464,5 @@ def test_release_without_refused_duplicates_tells_nobody() -> None:
     m.transfer_infos[ROOM] = {"decode-0": SimpleNamespace(endpoint="127.0.0.1", dst_port=4321,
                                                           is_dummy=False)}
     m.request_status[ROOM] = KVPoll.Success
-    room_guard.released(SimpleNamespace(bootstrap_room=ROOM, kv_mgr=m))
+    room_guard.released(_Endpoint(ROOM, m))
     assert sent == [] and peer_release._registry(m).get(ROOM) is None

@@ -50,12 +50,11 @@ import hmac
 import logging
 import os
 import secrets
-import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from sglang.pdsafe import metrics, policy
+from sglang.pdsafe.log_limit import LogLimit
 from sglang.pdsafe.policy import Outcome, Refusal, hook
 from sglang.pdsafe.protections import Protection, off_by, register, switch_on
 
@@ -199,18 +198,13 @@ def headers() -> dict[str, str]:
     return {"Authorization": SCHEME + keys[0]}
 
 
-_log_lock = threading.Lock()
-_log_state = {"last": float("-inf"), "suppressed": 0}
+_log_limit = LogLimit(LOG_INTERVAL_S)
 
 
 def _log(what: str, peer: str, why: str) -> None:
-    now = time.monotonic()
-    with _log_lock:
-        if now - _log_state["last"] < LOG_INTERVAL_S:
-            _log_state["suppressed"] += 1
-            return
-        suppressed = _log_state["suppressed"]
-        _log_state["last"], _log_state["suppressed"] = now, 0
+    suppressed = _log_limit.admit()
+    if suppressed is None:
+        return
     logger.warning("pdsafe: refused %s from %s (401): %s. Only this prefill's own ranks may "
                    "register; if this was one, give every node the same %s. (%d similar "
                    "suppressed)", what, peer, why, ENV_TOKEN, suppressed)

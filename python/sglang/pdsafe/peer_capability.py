@@ -341,10 +341,7 @@ def _check_failed(failure: policy.Failure) -> bool:
     endpoint, dst_port = _text(failure.args[3]), int(_text(failure.args[4]))
     refusal = failure.refusal(503, "the KV transfer (this prefill could not check the "
                                    "decode's capability)")
-    try:
-        _note_generation(kv_mgr, room, failure.kwargs.get("msg"))
-    except Exception:  # noqa: BLE001 - note_metadata's own policy counted it; refuse anyway
-        logger.debug("pdsafe: the refused room %s's generation could not be noted", room)
+    _note_generation(kv_mgr, room, failure.kwargs.get("msg"))  # a hook: it never raises
     try:
         _refuse_room(kv_mgr, room, endpoint, dst_port, refusal.reason)
     finally:

@@ -73,13 +73,12 @@ prefill source lease, which keeps a draining room live here, is then weaker).
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from http import HTTPStatus
 from typing import Any
 
 from sglang.pdsafe import metrics, peer_release, policy, transfer
 from sglang.pdsafe.admission import AdmissionError
+from sglang.pdsafe.log_limit import LogLimit
 from sglang.pdsafe.peer_notifier import decode_rejected, is_fake_bootstrap
 from sglang.pdsafe.policy import Outcome, Refusal, hook, raise_refusal, refuse_with
 from sglang.pdsafe.protections import (
@@ -198,18 +197,13 @@ def _room_of(req: Any) -> int | None:
     return int(room)
 
 
-_log_lock = threading.Lock()
-_log_state = {"last": float("-inf"), "suppressed": 0}
+_log_limit = LogLimit(LOG_INTERVAL_S)
 
 
 def _log_refusal(side: str, room: int, rid: str) -> None:
-    now = time.monotonic()
-    with _log_lock:
-        if now - _log_state["last"] < LOG_INTERVAL_S:
-            _log_state["suppressed"] += 1
-            return
-        suppressed = _log_state["suppressed"]
-        _log_state["last"], _log_state["suppressed"] = now, 0
+    suppressed = _log_limit.admit()
+    if suppressed is None:
+        return
     logger.warning("pdsafe room guard: refused request %s on this %s server (409): its "
                    "bootstrap_room %s is live here. (%d similar suppressed)", rid, side, room,
                    suppressed)

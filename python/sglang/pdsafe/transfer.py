@@ -173,11 +173,6 @@ class Transfer:
         return self.state in TERMINAL
 
 
-#: Released endpoints a leg keeps alive when it cannot reference them weakly (a second
-#: clear comes within the same request's retirement, long before this many others).
-RELEASED_STRONG_MAX = 4096
-
-
 class Leg:
     """One KV manager's records and tables (see the module doc)."""
 
@@ -192,9 +187,6 @@ class Leg:
         #: Endpoints (KV senders/receivers) that released their room here already (weak: an
         #: endpoint is forgotten with its request).
         self._released_endpoints: weakref.WeakSet[Any] = weakref.WeakSet()
-        #: The same for endpoints that cannot be weakly referenced: kept alive (so their id
-        #: stays theirs), the oldest dropped past :data:`RELEASED_STRONG_MAX`.
-        self._released_strong: OrderedDict[int, Any] = OrderedDict()
 
     # -- records
     def open(self, room: int | None, rid: str) -> Transfer:
@@ -233,21 +225,13 @@ class Leg:
 
     def first_release(self, endpoint: Any) -> bool:
         """True the first time ``endpoint`` releases its room here, False on every later
-        call (upstream clears an endpoint more than once on some failure paths)."""
+        call (upstream clears an endpoint more than once on some failure paths). Upstream's
+        endpoints are ordinary objects; one that cannot be weakly referenced raises
+        ``TypeError`` (the caller's hook then keeps the room: fail closed)."""
         with self.lock:
-            try:
-                if endpoint in self._released_endpoints:
-                    return False
-                self._released_endpoints.add(endpoint)
-                return True
-            except TypeError:  # not weakly referenceable
-                pass
-            key = id(endpoint)
-            if key in self._released_strong:
+            if endpoint in self._released_endpoints:
                 return False
-            self._released_strong[key] = endpoint
-            while len(self._released_strong) > RELEASED_STRONG_MAX:
-                self._released_strong.popitem(last=False)
+            self._released_endpoints.add(endpoint)
             return True
 
     def keep_room(self, rec: Transfer) -> Transfer | None:
