@@ -195,12 +195,11 @@ def test_the_suite_covers_every_hook_the_servers_declare(suite: Suite) -> None:
 #: Closed since: ``transfer_generation.mint`` (a receiver cleared twice dropped the status of
 #: the room's next request; a second clear now leaves it alone, patch 0018) and
 #: ``peer_capability.refuses_transfer_info`` (its Failed echoes the metadata's generation).
-KNOWN_FINDINGS: dict[str, str] = {
-    "coverage.attest_prefill_hook": "the abort items: a decode leg aborted while its prefill "
-                                    "room fails still waits for the 20 s timeout",
-    "page_generation.note_source_chunk": "the abort items: a decode leg aborted while its "
-                                         "prefill room fails still waits for the 20 s timeout",
-}
+KNOWN_FINDINGS: dict[str, str] = {}
+#: Closed 2026-12-06: ``coverage.attest_prefill_hook`` and ``page_generation.note_source_chunk``
+#: (the abort items' second request of the refused room waited 20 s on the decode: peer release
+#: told each decode endpoint once per refused room, not once per reservation; it now keys the
+#: answer by the reservation's transfer generation, test/unit/test_peer_release_backends.py).
 
 
 def _param(case: tuple[str, str, str]) -> Any:
@@ -227,22 +226,24 @@ def test_hook_failure(suite: Suite, backend: str, hook: str, mode: str) -> None:
     assert not res.problems(), _explain(res)
 
 
-@pytest.mark.xfail(reason="open: the claim's old outcome alone no longer admits a duplicate on "
-                          "the decode: the transfer generation's mint opens the room's record "
-                          "(the room is live) even when the claim failed, so the door refuses "
-                          "the parked duplicate with 409 (2026-12-03); showing the crash needs "
-                          "the record-less tree the claim was written for",
-                   strict=False)
 def test_legacy_room_claim_is_caught(suite: Suite) -> None:
-    """With ``room_guard.claim``'s old outcome (the endpoint is built unclaimed), a second
-    request of a room whose first request's transfer succeeded but is not committed yet (the
-    decode parks it, test fault ``park_commit``) is admitted: the suite must report it (the
-    decode dies on the shared Success, or a client is left waiting or gets a wrong answer).
-    Three concurrent duplicates were not enough (CI of 2026-12-02: the window is narrow); the
-    parked one makes it deterministic."""
+    """With the room guard's old outcomes restored (a failed claim built the endpoint
+    unclaimed, a failed door check admitted the request), a second request of a room whose
+    first request's transfer succeeded but is not committed yet (the decode parks it, test
+    fault ``park_commit``) is admitted: the suite must report it (the decode dies on the
+    shared Success with upstream's "Unexpected poll case: 4", or a client is left waiting or
+    gets a wrong answer). Three concurrent duplicates were not enough (CI of 2026-12-02: the
+    window is narrow); the parked one makes it deterministic.
+
+    Both outcomes are restored because the claim's alone no longer admits the duplicate: the
+    room's one transfer record is opened by whichever hook reaches the request first (the
+    transfer generation's mint, the page-generation snapshot), so the door refuses it with
+    409 even when the claim failed. The door is the guard; with its old outcome the crash the
+    claim's fail-closed outcome prevents is back (first shown 2026-12-06)."""
     w = suite.workload("mooncake")
     res = run_case(w, BY_NAME["room_guard.claim"], "entry", ["parked_duplicate"],
-                   legacy=("room_guard.claim",))
+                   legacy=("room_guard.claim", "room_guard.door"),
+                   also=("room_guard.door",))
     suite.record(res)
     assert res.reached, "the claim never failed: the demonstration proved nothing"
     assert res.problems(), ("the old claim outcome went unnoticed:\n" + _explain(res))

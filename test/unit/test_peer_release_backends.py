@@ -118,3 +118,42 @@ def test_a_room_a_prefill_check_fails_tells_its_decode_at_once(backend):
     parsed = m.parse_kv_status_message(parts)
     assert parsed is not None and parsed[0] == room and parsed[1] == int(KVPoll.Failed)
     assert parsed[3] and "could not attest" in parsed[3], parsed
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_a_new_reservation_of_a_refused_room_is_told_too(backend):
+    """A room refused here is remembered, and every *reservation* a decode publishes for it is
+    answered Failed: a client's later request of the room from the same decode endpoint (a new
+    transfer generation) is told again, while a repeated metadata message of one reservation is
+    told once. Before, each endpoint was told once per refused room, so the second request's
+    decode leg waited for its 20 s bootstrap timeout (the hook-failure suite's abort items with
+    the prefill's coverage or source-chunk hook failing, 2026-12-06)."""
+    from types import SimpleNamespace
+
+    from sglang.pdsafe import peer_release, transfer_generation
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    m, sent = _prefill_manager(_backend_managers()[backend])
+    handler = _abort_handler(m)
+    room = random.randrange(1 << 62)
+    info = SimpleNamespace(endpoint="127.0.0.1", dst_port=4321, is_dummy=False)
+
+    def metadata(generation: int) -> None:
+        transfer_generation.note_metadata(m, room, [
+            str(room).encode(), b"127.0.0.1", b"4321", b"sess", b"1,2", b"0", b"1",
+            transfer_generation.encode_frame(generation)])
+        m.transfer_infos[room] = {"decode-0": info}
+        m.update_status(room, KVPoll.WaitingForInput)  # the backend's "metadata complete"
+
+    handler([b"ABORT", str(room).encode(),
+             peer_release._wire(peer_release.ORIGIN_HTTP, "refused: the prompt is too long")])
+    metadata(11)
+    assert len(sent) == 1, f"{backend}: the first reservation was not told: {sent}"
+    metadata(11)  # the same reservation's metadata again: already told
+    assert len(sent) == 1, f"{backend}: one reservation told twice: {sent}"
+    metadata(12)  # a later request of the room from the same endpoint
+    assert len(sent) == 2, f"{backend}: the room's next reservation was not told: {sent}"
+    parsed = m.parse_kv_status_message(sent[1][1])
+    assert parsed is not None and parsed[0] == room and parsed[1] == int(KVPoll.Failed)
+    assert transfer_generation.frame_generation(sent[1][1]) == 12, \
+        "the answer must carry the new reservation's generation (the decode drops others)"

@@ -140,7 +140,10 @@ class _Room:
     t0: float  # time.monotonic() of the rejection (receipt, for a peer/HTTP notice)
     t0_wall: float | None  # wall clock of the rejection as sent by our own HTTP layer
     expires: float
-    answered: set[tuple[str, int]] = field(default_factory=set)  # decode endpoints told
+    #: (decode endpoint, the transfer generation of the metadata it was told about) pairs
+    #: already told: a later request of the room from the same endpoint is a new reservation
+    #: with a new generation, and is told too (None: a stock decode, which sends none).
+    answered: set[tuple[tuple[str, int], int | None]] = field(default_factory=set)
     counted: bool = False
     status: int | None = None  # the 4xx this prefill answered its own client with, if any
     reanswer: bool = False  # answer every metadata arrival, not each endpoint once (duplicates)
@@ -195,13 +198,17 @@ class _Registry:
         with self.lock:
             return room in self.live
 
-    def claim_targets(self, rec: _Room,
-                      targets: list[tuple[str, int]]) -> tuple[list[tuple[str, int]], bool]:
-        """The decode endpoints not told yet (each is told once), and whether this is the
-        room's first answer (counted once)."""
+    def claim_targets(self, rec: _Room, targets: list[tuple[str, int]],
+                      generations: list[int | None]) -> tuple[list[tuple[str, int]], bool]:
+        """The decode endpoints not told yet about the reservation they published now
+        (``generations[i]``: the transfer generation of ``targets[i]``'s metadata; each
+        reservation is told once), and whether this is the room's first answer (counted
+        once)."""
+        keyed = list(zip(targets, generations, strict=True))
         with self.lock:
-            new = list(targets) if rec.reanswer else [t for t in targets if t not in rec.answered]
-            rec.answered.update(new)
+            fresh = keyed if rec.reanswer else [k for k in keyed if k not in rec.answered]
+            rec.answered.update(fresh)
+            new = [t for t, _ in fresh]
             first = bool(new) and not rec.counted
             rec.counted = rec.counted or bool(new)
             return new, first
@@ -246,7 +253,9 @@ def _answer_decode(kv_mgr: Any, room: int, rec: _Room) -> bool:
     if not targets:
         return False
     reg = _registry(kv_mgr)
-    targets, first = reg.claim_targets(rec, targets)
+    generations = [transfer_generation.target_generation(kv_mgr, room, host, port)
+                   for host, port in targets]
+    targets, first = reg.claim_targets(rec, targets, generations)
     sent = 0
     if targets:
         for (host, port), err in transfer_generation.send_failed_status(

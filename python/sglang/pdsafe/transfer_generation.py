@@ -571,7 +571,9 @@ def note_metadata(kv_mgr: Any, room: int, msg: Sequence[bytes]) -> None:
             retired[(endpoint, port)] = (old + (previous,))[-RETIRED_PER_TARGET:]
 
 
-def _target_generation(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> int | None:
+def target_generation(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> int | None:
+    """Prefill: the generation ``endpoint:port`` sent with its current metadata for ``room``
+    (None: it sent none, or this prefill holds no metadata of it)."""
     state = _prefill_rooms(kv_mgr)
     with state.lock:
         targets = state.rooms.get(int(room))
@@ -594,7 +596,7 @@ def _frames_failed(failure: policy.Failure) -> list[bytes]:
 def generation_frames(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> list[bytes]:
     """Prefill, for a message to one decode endpoint: the generation frame that endpoint sent
     for the room, or none (it sent none: a stock decode, or a room this prefill forgot)."""
-    generation = _target_generation(kv_mgr, room, endpoint, port)
+    generation = target_generation(kv_mgr, room, endpoint, port)
     return [] if generation is None else [encode_frame(generation)]
 
 

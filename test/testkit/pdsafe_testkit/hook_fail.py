@@ -149,6 +149,11 @@ def _legacy_claim(failure: Any) -> None:
     return None
 
 
+def _legacy_door(failure: Any) -> None:
+    """The old room guard's door default: a door check that failed admitted the request."""
+    return None
+
+
 def _legacy_release(failure: Any) -> None:
     """The old release hook: upstream's plain release, every page of the reservation."""
     failure.args[1]()
@@ -157,6 +162,7 @@ def _legacy_release(failure: Any) -> None:
 #: Hook name -> the ``on_failure`` its guard had before the fail-closed policy.
 LEGACY: dict[str, Callable[[Any], Any]] = {
     "room_guard.claim": _legacy_claim,
+    "room_guard.door": _legacy_door,
     "page_generation.release_request": _legacy_release,
 }
 

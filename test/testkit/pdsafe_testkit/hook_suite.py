@@ -865,8 +865,10 @@ def _held(audits: dict[str, dict[str, Any]]) -> dict[str, int]:
 
 
 def run_case(w: Workload, hook: HookInfo, mode: str, items: list[str], *,
-             legacy: tuple[str, ...] = ()) -> CaseResult:
-    """Arm ``hook`` (``mode``), run ``items``, disarm, probe, audit (see the module doc)."""
+             legacy: tuple[str, ...] = (), also: tuple[str, ...] = ()) -> CaseResult:
+    """Arm ``hook`` (``mode``), run ``items``, disarm, probe, audit (see the module doc).
+    ``also``: further hooks armed in the same mode (a legacy demonstration that restores
+    several old defaults at once); the case's counts are ``hook``'s."""
     fs = w.fs
     res = CaseResult(fs.backend, hook.name, mode, hook.outcome, hook.counter, list(legacy),
                      list(items))
@@ -877,7 +879,8 @@ def run_case(w: Workload, hook: HookInfo, mode: str, items: list[str], *,
     offsets = fs.log_offsets()
     inj0 = fs.injected().get(hook.name, 0)
     c0 = fs.counters([hook.counter, MISMATCH])
-    stale = fs.write(armed={hook.name: mode}, legacy=legacy, reset=True)
+    stale = fs.write(armed={name: mode for name in (hook.name, *also)}, legacy=legacy,
+                     reset=True)
     try:
         res.answers = run_items(w, items)
     finally:
