@@ -76,7 +76,10 @@ def pd(request: pytest.FixtureRequest, log_dir: Path, model_path: Path) -> Itera
                              context_length=SHARED_PREFILL_POOL,
                              # Only acts on bootstrap rooms of its reserved range (the
                              # transfer generation's end-to-end test).
-                             env={"SGLANG_PDSAFE_TEST_FAULTS": "stale_status"},
+                             env={"SGLANG_PDSAFE_TEST_FAULTS": "stale_status",
+                                  # Metadata no request claims is dropped after 10 s
+                                  # (test/pd/test_unclaimed_rooms.py; default 60 s).
+                                  "SGLANG_PDSAFE_UNCLAIMED_ROOM_TIMEOUT_S": "10"},
                              upstream_spawn=True),
         decode=ServerConfig(role="decode", model_path=model_path,
                             max_total_tokens=SHARED_DECODE_POOL,

@@ -126,7 +126,7 @@ def test_control_round_trip_and_refusals():
     with pytest.raises(ValueError, match="unknown modes"):
         Control.from_json(json.dumps({"armed": {"room_guard.door": "later"}}))
     with pytest.raises(ValueError, match="no legacy outcome"):
-        Control.from_json(json.dumps({"legacy": ["room_guard.door"]}))
+        Control.from_json(json.dumps({"legacy": ["quarantine.hold"]}))
 
 
 def test_legacy_outcomes_are_swapped_in_and_back(fault):

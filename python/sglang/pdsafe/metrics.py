@@ -37,6 +37,18 @@ COUNTERS: dict[str, str] = {
         "Client requests rejected for carrying the server-internal health-check rid prefix.",
     "rejected_client_mm_hashes_total":
         "Client requests rejected for carrying mm_hashes (a client-chosen prefix-cache key).",
+    "prefill_unclaimed_room_dropped_total":
+        "Decode metadata a prefill dropped because no request of its bootstrap room reached "
+        "that prefill in time (SGLANG_PDSAFE_UNCLAIMED_ROOM_TIMEOUT_S); the decode was told "
+        "(HTTP 400). A steady rate means a client or router sends requests to decodes only.",
+    "prefill_unclaimed_room_evicted_total":
+        "Decode metadata a prefill dropped early because more rooms than "
+        "SGLANG_PDSAFE_UNCLAIMED_ROOM_LIMIT were waiting for their request (a flood of "
+        "metadata naming rooms nobody sends, or a misrouting router); the decode was told.",
+    "unclaimed_rooms_failed_total":
+        "Unclaimed-room hooks that failed (listing a room, its claim, or the sweep); a room "
+        "that could not be listed failed at once, one that could not be unlisted is checked "
+        "again at its deadline.",
     "peer_notified_release_total":
         "Requests whose peer was told to release its reservation after a local rejection.",
     "peer_release_notify_failed_total":
@@ -256,6 +268,9 @@ COUNTERS: dict[str, str] = {
         "Outermost pdsafe hook calls in this process (flushed with hook_seconds_total).",
 }
 GAUGES: dict[str, str] = {
+    "unclaimed_rooms":
+        "Bootstrap rooms whose decode metadata is waiting on this prefill for the room's "
+        "request (bounded by SGLANG_PDSAFE_UNCLAIMED_ROOM_LIMIT).",
     "poisoned":
         "1 while this server is poisoned (refuses new PD requests until restarted), else 0.",
     "held_rows":

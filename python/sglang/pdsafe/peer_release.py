@@ -131,7 +131,7 @@ def _ttl_s() -> float:
         return DEFAULT_TTL_S
 
 
-@dataclass
+@dataclass(slots=True)
 class _Room:
     """A room this prefill must not serve: why, since when, and whether decode was told."""
 

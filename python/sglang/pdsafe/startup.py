@@ -74,6 +74,7 @@ HOOK_MODULES: tuple[str, ...] = (
     "sglang.pdsafe.source_lease",
     "sglang.pdsafe.page_generation",
     "sglang.pdsafe.transfer_generation",
+    "sglang.pdsafe.unclaimed_rooms",
     "sglang.pdsafe.startup",
 )
 
@@ -170,6 +171,10 @@ def _checks(server_args: Any) -> None:
     hook_api.self_check(server_args, modules=HOOK_MODULES)
     if is_pd(server_args):
         check_fake_transfer(server_args)
+        if pd_mode(server_args) == "prefill":
+            from sglang.pdsafe import unclaimed_rooms
+
+            unclaimed_rooms.check_settings()  # a malformed timeout or limit refuses the start
         policy.poison_after()  # a malformed threshold refuses the start
 
 

@@ -203,7 +203,10 @@ class Leg:
                 if rec is not None:
                     self._retire(rec)
                 self.live[room] = new
-            return new
+        if room is not None:
+            for listener in ROOM_OPENED:
+                listener(self, new)
+        return new
 
     def of_room(self, room: int | None) -> Transfer | None:
         with self.lock:
@@ -364,6 +367,11 @@ def record_for(req: Any, kv_mgr: Any = None) -> Transfer:
     return attach(req, Transfer(seq=-1, leg="", room=None if room is None else int(room),
                                 rid=str(getattr(req, "rid", "?"))))
 
+
+#: Called with (leg, record) after a request's record was opened on its room (outside the
+#: leg's lock; registered by the protections that act then: the prefill's unclaimed-room
+#: table stops counting down the room). A listener must not raise.
+ROOM_OPENED: list[Callable[[Leg, Transfer], None]] = []
 
 #: Called with (kv_mgr, record) when a record stops holding its room (registered by the
 #: protections that act then: the room guard answers duplicates refused meanwhile).

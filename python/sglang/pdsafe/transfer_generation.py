@@ -124,7 +124,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -539,6 +539,12 @@ def _note_failed(failure: policy.Failure) -> None:
         500, "the KV transfer (the decode's transfer generation could not be recorded)"))
 
 
+#: Called with (kv_mgr, room) after :func:`note_metadata` recorded a decode metadata message
+#: for ``room`` on a prefill (registered by the protections that act on every arrival: the
+#: unclaimed-room table). Each listener is a guarded hook of its own.
+METADATA_NOTED: list[Callable[[Any, int], None]] = []
+
+
 @hook("transfer_generation.note_metadata", outcome=Outcome.REFUSE, counter=FAILED,
       on_failure=_note_failed, key=lambda kv_mgr, room, msg: ("room", room),
       effect="the room fails on the prefill at once; the decode leg fails at its timeout "
@@ -569,6 +575,8 @@ def note_metadata(kv_mgr: Any, room: int, msg: Sequence[bytes]) -> None:
             retired = state.retired.setdefault(int(room), {})
             old = retired.get((endpoint, port), ())
             retired[(endpoint, port)] = (old + (previous,))[-RETIRED_PER_TARGET:]
+    for listener in METADATA_NOTED:
+        listener(kv_mgr, int(room))
 
 
 def target_generation(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> int | None:
