@@ -377,6 +377,40 @@ def test_a_new_reservation_of_a_replayed_room_gets_a_new_generation_and_ranks_ag
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_keyed_generation_cannot_be_computed_from_the_reservation(monkeypatch, backend):
+    """With the key the decode's launcher prepares (``generation_key.prepare``), the minted
+    generation is a MAC: someone who knows everything the reservation is (room, metadata
+    slot, pages in transfer order, page epochs) but not the key computes another value (the
+    unkeyed derivation, what upstream-style hashing would give), while the key reproduces
+    it, and two ranks holding the key derive the same generation. A second launch (a restart)
+    has a new key, so the same reservation gets another generation."""
+    from sglang.pdsafe import generation_key
+
+    monkeypatch.delenv(generation_key.ENV_KEY, raising=False)
+    args = SimpleNamespace(nnodes=1, api_key=None)
+    monkeypatch.delenv("SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN", raising=False)
+    generation_key.prepare(args)
+    key = generation_key.current()
+    assert len(key) == generation_key.KEY_BYTES
+    room = _room()
+    seen = []
+    for i in range(2):
+        rank = _Rank(monkeypatch, backend, port=5655 + i, slots=1)
+        monkeypatch.setattr(page_generation, "_PROCESS_TABLES", _tables(rank))
+        epochs = page_generation.process_epochs()
+        dreq = rank.reserve("rid-keyed", room)
+        inputs = dict(room=room, aux_index=dreq.metadata_buffer_index,
+                      page_indices=rank.page_order(dreq), epochs=epochs)
+        seen.append((dreq.kv_receiver.pdsafe_transfer_generation(), inputs))
+    (g0, inputs), (g1, _) = seen
+    assert g0 == g1, "two ranks holding the key must mint alike"
+    assert tg.derive(**inputs, key=key) == g0, "the generation is the MAC of the reservation"
+    assert tg.derive(**inputs) != g0, "without the key the generation must not be computable"
+    generation_key.prepare(args)  # a restarted decode's launcher
+    assert tg.derive(**inputs, key=generation_key.current()) != g0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_without_page_generations_a_reservation_counter_stands_in(monkeypatch, backend):
     room = _room()
     ranks = [_Rank(monkeypatch, backend, port=5555 + i, slots=1) for i in range(2)]

@@ -268,6 +268,10 @@ COUNTERS: dict[str, str] = {
         "Outermost pdsafe hook calls in this process (flushed with hook_seconds_total).",
 }
 GAUGES: dict[str, str] = {
+    "transfer_generation_unkeyed":
+        "1 while this decode mints unkeyed transfer generations (no launcher prepared a key "
+        "and no cluster key is configured: forgeable by someone who can guess a "
+        "reservation), else 0.",
     "unclaimed_rooms":
         "Bootstrap rooms whose decode metadata is waiting on this prefill for the room's "
         "request (bounded by SGLANG_PDSAFE_UNCLAIMED_ROOM_LIMIT).",

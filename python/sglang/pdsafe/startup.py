@@ -143,6 +143,12 @@ def launching(server_args: Any) -> dict[str, bool]:
         # Before any scheduler exists: they inherit the key from this process.
         logger.info("pdsafe: bootstrap writes need the key from %s",
                     bootstrap_auth.prepare(server_args))
+    if is_pd(server_args) and pd_mode(server_args) == "decode":
+        from sglang.pdsafe import generation_key
+
+        # Before any scheduler exists: its ranks inherit one key and mint alike.
+        logger.info("pdsafe: transfer generations are keyed by %s",
+                    generation_key.prepare(server_args))
     return report(server_args)
 
 
@@ -158,6 +164,10 @@ def scheduler_starting(server_args: Any) -> None:
         from sglang.pdsafe import bootstrap_auth
 
         bootstrap_auth.rank_starting(server_args)
+    if is_pd(server_args) and pd_mode(server_args) == "decode":
+        from sglang.pdsafe import generation_key
+
+        generation_key.rank_starting(server_args)
     from sglang.pdsafe import client_guard
 
     if policy.state_dir() is None and (

@@ -130,7 +130,7 @@ from typing import Any
 
 import numpy as np
 import xxhash
-from sglang.pdsafe import metrics, pair_settings, policy, transfer
+from sglang.pdsafe import generation_key, metrics, pair_settings, policy, transfer
 from sglang.pdsafe.hook_api import require
 from sglang.pdsafe.page_generation import process_epochs
 from sglang.pdsafe.policy import Outcome, hook, returns
@@ -213,12 +213,14 @@ def frame_generation(msg: Sequence[bytes]) -> int | None:
 
 
 def derive(*, room: int, aux_index: int | None, page_indices: Any,
-           epochs: Sequence[int]) -> int:
-    """The generation of one reservation (pure): a 63-bit BLAKE2b of everything it is on this
-    server (the page ids through their XXH3-128: a million pages hash at memory speed, where
-    BLAKE2b over them took tens of milliseconds, issue 22); never 0."""
+           epochs: Sequence[int], key: bytes = b"") -> int:
+    """The generation of one reservation (pure): a 63-bit BLAKE2b MAC under ``key`` (the
+    decode's generation key, :mod:`sglang.pdsafe.generation_key`; b"": unkeyed) of everything
+    the reservation is on this server (the page ids through their XXH3-128: a million pages
+    hash at memory speed, where BLAKE2b over them took tens of milliseconds, issue 22); never
+    0. Without ``key`` nobody can compute it from the inputs."""
     pages = np.ascontiguousarray(np.asarray(page_indices, dtype=np.int64))
-    h = hashlib.blake2b(digest_size=8, person=b"pdsafe-gen2")
+    h = hashlib.blake2b(digest_size=8, person=b"pdsafe-gen2", key=key[:64])
     h.update(str(int(room)).encode("ascii") + b"\0")
     h.update(str(-1 if aux_index is None else int(aux_index)).encode("ascii") + b"\0")
     h.update(str(int(pages.size)).encode("ascii") + b"\0" + xxhash.xxh3_128_digest(pages))
@@ -312,7 +314,7 @@ def mint(receiver: Any, page_indices: Any, aux_index: int | None) -> None:
         return
     room = int(receiver.bootstrap_room)
     generation = derive(room=room, aux_index=aux_index, page_indices=page_indices,
-                        epochs=_epochs(kv_mgr))
+                        epochs=_epochs(kv_mgr), key=generation_key.current())
     with lg.lock:
         rec.generation = generation
         rec.aux_index = None if aux_index is None else int(aux_index)
