@@ -71,9 +71,13 @@ from pdsafe_testkit.servers import (
     SHARED_PREFILL_POOL,
     PDStack,
     ServerConfig,
+    SGLangServer,
     direct_pd_generate,
     generate,
+    launch_server,
     pd_stack,
+    stop_together,
+    wait_server,
 )
 from sglang.pdsafe.pair_agreement import WIRE_VERSION
 
@@ -110,23 +114,67 @@ def _assert_versions(st: PDStack, stock: str | None) -> None:
             "stock build" if side == stock else "fork")
 
 
+class _ForkLegs:
+    """This release's default prefill and decode, one per backend, shared by the refused pairs
+    of this module (a refusal at pairing leaves a server serving its other peers, and every
+    assertion here reads counter deltas): two server starts fewer per backend. Started on
+    first use, stopped at the module's end."""
+
+    def __init__(self, log_dir: Path, model_path: Path) -> None:
+        self.log_dir, self.model_path = log_dir, model_path
+        self.servers: dict[tuple[str, str], SGLangServer] = {}
+
+    def get(self, role: str, backend: str) -> SGLangServer:
+        """The shared ``role`` server of ``backend`` (launched, not yet waited for)."""
+        key = (role, backend)
+        if key not in self.servers:
+            cfg = _cfg(role, self.model_path)
+            cfg.backend = backend
+            self.servers[key] = launch_server(cfg, self.log_dir, wait=False)
+        return self.servers[key]
+
+
+@pytest.fixture(scope="module")
+def fork_legs(log_dir: Path, model_path: Path) -> Iterator[_ForkLegs]:
+    legs = _ForkLegs(log_dir, model_path)
+    try:
+        yield legs
+    finally:
+        stop_together(*legs.servers.values())
+
+
+def _with_fork_leg(legs: _ForkLegs, backend: str, *, own: str,
+                   own_env: dict[str, str] | None) -> Iterator[PDStack]:
+    """A pair of the shared fork server of the other role and a server of role ``own`` (its
+    own environment) started for this pair only. No router: it waits for a served request
+    before it counts as started, and these pairs serve none (the router sends each request to
+    both legs, as ``direct_pd_generate`` does)."""
+    shared = legs.get("decode" if own == "prefill" else "prefill", backend)
+    cfg = _cfg(own, legs.model_path, own_env)
+    cfg.backend = backend
+    mine = launch_server(cfg, legs.log_dir, wait=False)
+    try:
+        wait_server(shared)
+        wait_server(mine)
+        p, d = (mine, shared) if own == "prefill" else (shared, mine)
+        yield PDStack(backend, p, d, None)
+    finally:
+        mine.stop()
+
+
 #: Pairing is refused at bootstrap (decode reads the prefill's published settings over HTTP)
 #: before either KV backend moves a byte: one backend proves it (CI time); the other direction
 #: exercises each backend's wire data and runs on both.
-@pytest.fixture(scope="module", params=["mooncake"])
-def stock_prefill(request, stock_env, log_dir: Path, model_path: Path) -> Iterator[PDStack]:
-    with pd_stack(request.param, log_dir, prefill=_cfg("prefill", model_path, stock_env),
-                  decode=_cfg("decode", model_path), with_router=False) as st:
+@pytest.fixture(params=["mooncake"])
+def stock_prefill(request, stock_env, fork_legs: _ForkLegs) -> Iterator[PDStack]:
+    for st in _with_fork_leg(fork_legs, request.param, own="prefill", own_env=stock_env):
         _assert_versions(st, stock="prefill")
         yield st
 
 
-#: No router: it waits for a served request before it counts as started, and this pair serves
-#: none (the router sends each request to both legs, as ``direct_pd_generate`` does).
-@pytest.fixture(scope="module", params=ci_backends())
-def stock_decode(request, stock_env, log_dir: Path, model_path: Path) -> Iterator[PDStack]:
-    with pd_stack(request.param, log_dir, prefill=_cfg("prefill", model_path),
-                  decode=_cfg("decode", model_path, stock_env), with_router=False) as st:
+@pytest.fixture(params=ci_backends())
+def stock_decode(request, stock_env, fork_legs: _ForkLegs) -> Iterator[PDStack]:
+    for st in _with_fork_leg(fork_legs, request.param, own="decode", own_env=stock_env):
         _assert_versions(st, stock="decode")
         yield st
 
@@ -245,15 +293,10 @@ OTHER_RELEASE = "sglang-pdsafe-pair/2"
 OTHER_RELEASE_ENV = {"SGLANG_PDSAFE_TEST_FAULTS": f"wire_version:{OTHER_RELEASE}"}
 
 
-def _other_release_stack(backend: str, log_dir: Path, model_path: Path, *,
-                         other: str) -> Iterator[PDStack]:
-    """A fork/fork pair whose ``other`` leg speaks ``OTHER_RELEASE``. No router (it waits for
-    a served request before it counts as started, and this pair serves none)."""
-    envs = {other: OTHER_RELEASE_ENV}
-    with pd_stack(backend, log_dir,
-                  prefill=_cfg("prefill", model_path, envs.get("prefill")),
-                  decode=_cfg("decode", model_path, envs.get("decode")),
-                  with_router=False) as st:
+def _other_release_stack(legs: _ForkLegs, backend: str, *, other: str) -> Iterator[PDStack]:
+    """A fork/fork pair whose ``other`` leg speaks ``OTHER_RELEASE`` (the other leg is the
+    module's shared one)."""
+    for st in _with_fork_leg(legs, backend, own=other, own_env=OTHER_RELEASE_ENV):
         _assert_versions(st, stock=None)
         server = st.prefill if other == "prefill" else st.decode
         assert f"wire version {OTHER_RELEASE} instead of this release's {WIRE_VERSION}" in \
@@ -261,15 +304,15 @@ def _other_release_stack(backend: str, log_dir: Path, model_path: Path, *,
         yield st
 
 
-#: Function-scoped: one test each, torn down right after it (the module's other stacks stay).
+#: Function-scoped: one test each, its own leg torn down right after it.
 @pytest.fixture(params=ci_backends())
-def other_release_prefill(request, log_dir: Path, model_path: Path) -> Iterator[PDStack]:
-    yield from _other_release_stack(request.param, log_dir, model_path, other="prefill")
+def other_release_prefill(request, fork_legs: _ForkLegs) -> Iterator[PDStack]:
+    yield from _other_release_stack(fork_legs, request.param, other="prefill")
 
 
 @pytest.fixture(params=ci_backends())
-def other_release_decode(request, log_dir: Path, model_path: Path) -> Iterator[PDStack]:
-    yield from _other_release_stack(request.param, log_dir, model_path, other="decode")
+def other_release_decode(request, fork_legs: _ForkLegs) -> Iterator[PDStack]:
+    yield from _other_release_stack(fork_legs, request.param, other="decode")
 
 
 def _assert_refused_at_pairing(st: PDStack, model_path: Path, *, prefill_version: str,

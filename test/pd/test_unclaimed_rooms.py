@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import requests
+from pdsafe_testkit.backends import ci_backends
 from pdsafe_testkit.oracle import random_prompt
 from pdsafe_testkit.servers import SGLangServer, generate
 
@@ -57,6 +58,10 @@ def _idle(decode: SGLangServer, bound: float) -> dict[str, Any]:
 
 @server
 def test_a_request_sent_to_the_decode_alone_is_answered_and_released(pd, oracle, model_path):
+    if pd.backend not in ci_backends():
+        # The drop and the Failed answer run in the common KV layer; NIXL's manager runs them
+        # in test/unit/test_unclaimed_rooms.py (PDSAFE_FULL_BACKENDS=all runs this one too).
+        pytest.skip(f"{pd.backend}: not in this run's backends (CI time)")
     rng = random.Random(2112)
     assert not any(_idle(pd.decode, 10).values()), "the decode is not idle before the test"
     ids = random_prompt(rng, 80, model_path)
