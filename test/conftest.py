@@ -95,9 +95,9 @@ def pd(request: pytest.FixtureRequest, log_dir: Path, model_path: Path) -> Itera
 # Tests written against a contributor's own patch tree and not yet run against the integrated
 # series are listed here and marked `pending_validation`; scripts/run-tests.sh deselects that
 # marker unless PDSAFE_ALL_TESTS=1, so CI stays an honest record of what has been verified
-# together. test/pd/test_incident_walk.py (issue 22 item 2): its first CI run (2026-12-02) passed
-# step 1 and failed steps 2 and 3; pending until they are diagnosed (PDSAFE_ALL_TESTS=1 runs it).
-PENDING_VALIDATION: set[str] = {"test/pd/test_incident_walk.py"}
+# together. None now: test/pd/test_incident_walk.py (issue 22 item 2) was validated on
+# 2026-12-06 (its steps 2 and 3 had failed on two mistakes of the test, see its history).
+PENDING_VALIDATION: set[str] = set()
 PENDING_VALIDATION_TESTS: set[str] = set()
 
 
