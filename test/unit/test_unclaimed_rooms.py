@@ -167,5 +167,6 @@ def test_a_malformed_timeout_refuses_the_start(value, monkeypatch):
     from sglang.pdsafe import unclaimed_rooms
 
     monkeypatch.setenv(unclaimed_rooms.ENV_TIMEOUT, value)
-    with pytest.raises(ValueError, match=unclaimed_rooms.ENV_TIMEOUT):
+    with pytest.raises(unclaimed_rooms.UnclaimedRoomSettingError,
+                       match=unclaimed_rooms.ENV_TIMEOUT):
         unclaimed_rooms.check_settings()

@@ -41,7 +41,7 @@ import os
 import secrets
 from typing import Any
 
-from sglang.pdsafe import bootstrap_auth, metrics
+from sglang.pdsafe import bootstrap_auth, metrics, policy
 
 logger = logging.getLogger("sglang.pdsafe.generation_key")
 
@@ -53,7 +53,7 @@ _LABEL = b"sglang-pdsafe transfer generation key v1\0"
 KEY_BYTES = 32
 
 
-class GenerationKeyError(RuntimeError):
+class GenerationKeyError(policy.StartupRefusedError):
     """The generation key cannot be set up as configured (the server refuses to start)."""
 
 

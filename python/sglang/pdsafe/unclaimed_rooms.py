@@ -136,11 +136,20 @@ def limit() -> int:
     return value
 
 
+class UnclaimedRoomSettingError(policy.StartupRefusedError):
+    """A prefill cannot start: a setting of the unclaimed-room table is malformed."""
+
+
 def check_settings() -> None:
     """Startup: the timeout and the limit parse (a malformed value refuses the start with
     the variable's name, instead of failing the first room)."""
-    timeout_s()
-    limit()
+    try:
+        timeout_s()
+        limit()
+    except ValueError as e:
+        raise UnclaimedRoomSettingError(
+            f"pdsafe: this prefill refuses to start: a setting of its unclaimed-room table is "
+            f"malformed: {e}") from e
 
 
 @functools.lru_cache(maxsize=8)
