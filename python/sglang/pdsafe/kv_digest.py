@@ -109,6 +109,7 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
+from sglang.pdsafe import kv_layouts
 
 SCHEME = "pdsafe-kvdigest/1"
 #: 16 bytes that open every header: scheme and version.
@@ -382,21 +383,31 @@ def _dsa_components(pool: Any, prefix: str, space: Space, layer_ids: list[int]) 
 
 def _attention_components(pool: Any, prefix: str, space: Space,
                           layer_ids: list[int] | None = None) -> list[Component]:
-    from sglang.srt.mem_cache import memory_pool as mp
-
     ids = _layer_ids(pool) if layer_ids is None else layer_ids
-    cls = type(pool)
-    if cls in (mp.MHATokenToKVPool, mp.MHATokenToKVPoolFP4, mp.MHATokenToKVPoolMXFP8):
+    layout = _layout(pool, ("mha", "k-only", "mla", "dsa"))
+    if layout == "mha":
         return _mha_components(pool, prefix, space, ids)
-    if cls is mp.MHATokenToKOnlyPool:
+    if layout == "k-only":
         return _konly_components(pool, prefix, space, ids)
-    if cls in (mp.MLATokenToKVPool, mp.MLATokenToKVPoolFP4):
+    if layout == "mla":
         return _mla_components(pool, prefix, space, ids)
-    if cls is mp.DSATokenToKVPool:
-        return _dsa_components(pool, prefix, space, ids)
-    raise UnsupportedLayout(
-        f"KV pool {cls.__module__}.{cls.__qualname__} is not a layout sglang-pdsafe can digest "
-        "completely; refusing rather than digesting part of it")
+    return _dsa_components(pool, prefix, space, ids)
+
+
+def _layout(pool: Any, allowed: Sequence[str]) -> str:
+    """The layout of ``pool``'s exact class (:mod:`sglang.pdsafe.kv_layouts`) if it is one of
+    ``allowed``; else :class:`UnsupportedLayout` naming the class and why it is refused."""
+    cls = type(pool)
+    layout, why = kv_layouts.verdict(cls)
+    if layout is None:
+        raise UnsupportedLayout(
+            f"KV pool {cls.__module__}.{cls.__qualname__} is refused: {why}; refusing rather "
+            "than digesting part of the KV (docs/kv-support.md)")
+    if layout not in allowed:
+        raise UnsupportedLayout(
+            f"KV pool {cls.__module__}.{cls.__qualname__} ({layout}) cannot be a sub-pool here; "
+            "refusing rather than digesting part of the KV (docs/kv-support.md)")
+    return layout
 
 
 def _mamba_components(mamba_pool: Any) -> list[Component]:
@@ -418,18 +429,15 @@ def _mamba_components(mamba_pool: Any) -> list[Component]:
 
 def components(pool: Any) -> list[Component]:
     """Every component decode reads from ``pool``, in digest order (module docstring)."""
-    from sglang.srt.mem_cache import memory_pool as mp
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
-
-    cls = type(pool)
-    if cls is SWAKVPool:
+    layout = _layout(pool, ("mha", "k-only", "mla", "dsa", "swa", "hybrid-linear"))
+    if layout == "swa":
         full_ids = sorted((loc, g) for g, (loc, swa) in pool.layers_mapping.items() if not swa)
         swa_ids = sorted((loc, g) for g, (loc, swa) in pool.layers_mapping.items() if swa)
         comps = _attention_components(pool.full_kv_pool, "full.", Space.TOKEN,
                                       [g for _, g in full_ids])
         comps += _attention_components(pool.swa_kv_pool, "swa.", Space.SWA,
                                        [g for _, g in swa_ids])
-    elif cls is mp.HybridLinearKVPool:
+    elif layout == "hybrid-linear":
         full_ids = sorted((loc, g) for g, loc in pool.full_attention_layer_id_mapping.items())
         comps = _attention_components(pool.full_kv_pool, "full.", Space.TOKEN,
                                       [g for _, g in full_ids])
