@@ -34,6 +34,7 @@ bootstrap key", what is not covered yet).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -114,7 +115,12 @@ def rank_starting(server_args: Any) -> bytes:
 
 def current() -> bytes:
     """The key this process mints generations with (b"": none prepared, unkeyed)."""
-    raw = os.environ.get(ENV_KEY, "").strip()
+    return _key_of(os.environ.get(ENV_KEY, "").strip())
+
+
+@functools.lru_cache(maxsize=4)
+def _key_of(raw: str) -> bytes:
+    """The key ``raw`` (hex) names; cached: every reservation's mint reads it."""
     if not raw:
         return b""
     try:

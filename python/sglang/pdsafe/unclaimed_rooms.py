@@ -106,8 +106,13 @@ def enabled() -> bool:
 
 
 def timeout_s() -> float:
-    """How long a room's metadata may wait for its sender; a bad value raises (at startup)."""
-    raw = os.environ.get(ENV_TIMEOUT, "").strip()
+    """How long a room's metadata may wait for its sender; a bad value raises (at startup).
+    Read on every metadata message: the parse is cached per raw value."""
+    return _timeout_of(os.environ.get(ENV_TIMEOUT, "").strip())
+
+
+@functools.lru_cache(maxsize=4)
+def _timeout_of(raw: str) -> float:
     if not raw:
         return DEFAULT_TIMEOUT_S
     try:
@@ -122,8 +127,13 @@ def timeout_s() -> float:
 
 
 def limit() -> int:
-    """How many rooms may wait unclaimed; a bad value raises (at startup)."""
-    raw = os.environ.get(ENV_LIMIT, "").strip()
+    """How many rooms may wait unclaimed; a bad value raises (at startup). Cached per raw
+    value, as :func:`timeout_s`."""
+    return _limit_of(os.environ.get(ENV_LIMIT, "").strip())
+
+
+@functools.lru_cache(maxsize=4)
+def _limit_of(raw: str) -> int:
     if not raw:
         return DEFAULT_LIMIT
     try:
