@@ -19,7 +19,13 @@ from typing import Any
 import pytest
 import requests
 from pdsafe_testkit.loopback import reserve_port
-from sglang.pdsafe import kv_integrity, metrics, pair_agreement, pair_settings  # noqa: F401 - registers kv_digest
+from sglang.pdsafe import (  # noqa: F401 - kv_integrity registers kv_digest
+    control_mac,
+    kv_integrity,
+    metrics,
+    pair_agreement,
+    pair_settings,
+)
 from sglang.pdsafe.pair_agreement import Mismatch, PairSettings, compare
 from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -94,7 +100,9 @@ def test_local_settings_read_the_effective_limits():
     got = pair_agreement.local_settings(scheduler, kv_args)
     assert got == PairSettings(pair_agreement.WIRE_VERSION, 64, "float32", None, 512,
                                "name:chatml", 446, kv_digest="pdsafe-kvdigest/1",
-                               incarnation=pair_settings.INCARNATION)
+                               incarnation=pair_settings.INCARNATION, control_key=(
+                                   control_mac.advertised(scheduler.server_args)))
+    assert got.control_key in ("none", "off") or got.control_key.startswith("blake2b-mac:")
     assert len(pair_settings.INCARNATION) == 16  # this process's random id
 
 

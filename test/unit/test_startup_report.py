@@ -1,4 +1,4 @@
-"""The startup checks and the protection report (``sglang.pdsafe.startup``, patch 0030).
+"""The startup checks and the protection report (``sglang.pdsafe.startup``, patch 0031).
 
 * A PD server whose installed upstream lacks a method the pdsafe hooks call refuses to start
   with the list of what is missing; a co-located server does not need the PD hook targets.
@@ -16,7 +16,7 @@ import logging
 from types import SimpleNamespace
 
 import pytest
-from sglang.pdsafe import hook_api, policy, protections, startup
+from sglang.pdsafe import bootstrap_auth, hook_api, policy, protections, startup
 
 SWITCHES = ("SGLANG_PDSAFE_ROOM_GUARD", "SGLANG_PDSAFE_SOURCE_LEASE", "SGLANG_PDSAFE_QUARANTINE",
             "SGLANG_PDSAFE_KV_DIGEST", "SGLANG_PDSAFE_PAGE_GENERATION",
@@ -29,6 +29,9 @@ SWITCHES = ("SGLANG_PDSAFE_ROOM_GUARD", "SGLANG_PDSAFE_SOURCE_LEASE", "SGLANG_PD
 def _default_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in SWITCHES:
         monkeypatch.delenv(var, raising=False)
+    # A production PD server has a cluster key (without one it reports its control messages
+    # unsigned: test_without_a_cluster_key_the_report_says_control_messages_go_unsigned).
+    monkeypatch.setenv(bootstrap_auth.ENV_TOKEN, "k" * 32)
 
 
 def _args(mode: str, backend: str = "mooncake") -> SimpleNamespace:
@@ -47,6 +50,17 @@ def test_pd_server_reports_protections_and_passes_the_self_check(
     assert status["no-placeholder-handoff"] and all(status.values())
     assert f"{mode} protections active" in caplog.text
     assert _warnings(caplog) == [], "a default PD server must warn about nothing"
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_without_a_cluster_key_the_report_says_control_messages_go_unsigned(
+        mode: str, monkeypatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv(bootstrap_auth.ENV_TOKEN)
+    with caplog.at_level(logging.WARNING, logger="sglang.pdsafe"):
+        status = startup.report(_args(mode))
+    assert status["signed-control-messages"] is False
+    (w,) = [w for w in _warnings(caplog) if "signed-control-messages" in w]
+    assert "OFF" in w and bootstrap_auth.ENV_TOKEN in w and "--api-key" in w, w
 
 
 def test_each_role_reports_only_its_own_protections() -> None:

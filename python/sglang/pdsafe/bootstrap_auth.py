@@ -40,8 +40,10 @@ Failure policy (:mod:`sglang.pdsafe.policy`): a check that cannot run refuses th
 not registered); a registering rank whose key cannot be read sends none (the server then
 refuses it: the prefill never becomes reachable, which its startup reports).
 
-What this does not do: it does not sign the KV control messages (ZMQ) or key the transfer
-generation; the Rust registry (``SGLANG_RUST_SERVER``) is not covered.
+A configured key (1 or 2) is also the cluster key that signs the KV control messages between
+the legs (:mod:`sglang.pdsafe.control_mac`) and keys the decode's transfer generations
+(:mod:`sglang.pdsafe.generation_key`): :func:`configured_keys` is the one place it is read.
+What this does not cover: the Rust registry (``SGLANG_RUST_SERVER``).
 """
 
 from __future__ import annotations

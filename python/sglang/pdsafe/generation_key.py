@@ -27,9 +27,9 @@ every rank of one decode server uses one key:
   makes that a startup error.
 
 What it does not do: sign the messages. Someone who observes a reservation's generation on the
-network (the decode's metadata goes in clear over ZMQ) can still forge that reservation's
-messages; a per-message MAC under a key both legs share is the next step (operator guide, "The
-bootstrap key", what is not covered yet).
+network (the decode's metadata goes in clear over ZMQ) could forge that reservation's messages;
+the per-message MAC under the cluster key both legs share (:mod:`sglang.pdsafe.control_mac`)
+stops that where a cluster key is configured.
 """
 
 from __future__ import annotations

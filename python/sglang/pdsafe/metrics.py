@@ -49,6 +49,29 @@ COUNTERS: dict[str, str] = {
         "Unclaimed-room hooks that failed (listing a room, its claim, or the sweep); a room "
         "that could not be listed failed at once, one that could not be unlisted is checked "
         "again at its deadline.",
+    "unauthenticated_kv_status_dropped_total":
+        "KV status messages a decode dropped: their MAC did not verify under the cluster key, "
+        "or they carried a transfer generation unsigned (a prefill of this release signs).",
+    "unauthenticated_aux_data_dropped_total":
+        "TCP aux data messages a decode dropped: bad MAC, or a transfer generation unsigned.",
+    "unauthenticated_chunk_ready_dropped_total":
+        "Staging CHUNK_READY messages a decode dropped: bad MAC, or a generation unsigned.",
+    "unauthenticated_announce_dropped_total":
+        "Decode capability announcements a keyed prefill dropped: bad MAC or unsigned.",
+    "unauthenticated_registration_dropped_total":
+        "Decode KV-args registrations (page base addresses) a keyed prefill dropped: bad MAC "
+        "or unsigned (a stock decode signs nothing: it is served only under the waiver).",
+    "unauthenticated_transfer_info_dropped_total":
+        "Decode transfer metadata (room, page ids) a keyed prefill dropped: bad MAC or "
+        "unsigned; no KV is written for it and no room state changes.",
+    "unauthenticated_other_dropped_total":
+        "Other messages at a prefill's bootstrap socket dropped for a MAC that did not verify.",
+    "replayed_transfer_info_dropped_total":
+        "Signed decode metadata a prefill dropped because it names a generation the same "
+        "decode endpoint already replaced for the room (a replay of an earlier reservation).",
+    "control_mac_failed_total":
+        "Signed-control-message hooks that failed (a MAC that could not be computed or "
+        "checked); the message was dropped or went unsigned and its room failed (500).",
     "peer_notified_release_total":
         "Requests whose peer was told to release its reservation after a local rejection.",
     "peer_release_notify_failed_total":
@@ -272,6 +295,9 @@ GAUGES: dict[str, str] = {
         "1 while this decode mints unkeyed transfer generations (no launcher prepared a key "
         "and no cluster key is configured: forgeable by someone who can guess a "
         "reservation), else 0.",
+    "control_messages_unsigned":
+        "1 while this PD server signs and checks no control message (no cluster key "
+        "configured, or SGLANG_PDSAFE_CONTROL_MAC=0), else 0.",
     "unclaimed_rooms":
         "Bootstrap rooms whose decode metadata is waiting on this prefill for the room's "
         "request (bounded by SGLANG_PDSAFE_UNCLAIMED_ROOM_LIMIT).",

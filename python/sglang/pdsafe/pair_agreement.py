@@ -62,6 +62,7 @@ from typing import Any
 
 import requests
 from sglang.pdsafe import (
+    control_mac,  # noqa: F401 - publishes and compares the control_key setting
     metrics,
     pair_settings,
     peer_notifier,
@@ -86,7 +87,7 @@ MISMATCH = "pair_setting_mismatch_total"
 FAILED = "pair_agreement_failed_total"
 #: Fields a pair must share (the order of the error message).
 ENFORCED: tuple[str, ...] = ("wire_version", "page_size", "kv_cache_dtype", "kv_layout",
-                             "context_length", "chat_template", "kv_digest")
+                             "context_length", "chat_template", "kv_digest", "control_key")
 #: Seconds a refusal stands before the prefill is asked again.
 RECHECK_S = 10.0
 #: Prefills remembered per decode (refused or logged); the oldest are forgotten first.
@@ -159,7 +160,7 @@ def compare(prefill: PairSettings | None, decode: PairSettings, *,
         p, d = getattr(prefill, name), getattr(decode, name)
         if name != "wire_version" and (p is None or d is None):
             continue
-        if p != d:
+        if not pair_settings.agree(name, p, d):
             out.append(Mismatch(name, p, d))
     return out
 
@@ -175,6 +176,9 @@ REMEDIES = {
     "chat_template": "start both with the same --chat-template (or the same tokenizer)",
     "kv_digest": "run both with the same SGLANG_PDSAFE_KV_DIGEST (unset: on) and the same "
                  "sglang-pdsafe release",
+    "control_key": "set the same SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN (or --api-key) on "
+                   "both legs (during a key rotation, each leg's first key must be one the other "
+                   "lists) and the same SGLANG_PDSAFE_CONTROL_MAC",
 }
 
 
@@ -241,6 +245,8 @@ def local_settings(scheduler: Any, kv_args: Any) -> PairSettings:
         max_prompt_tokens=int(limit) - 1 if limit is not None else None,
         kv_digest=pair_settings.advertised("kv_digest", getattr(scheduler, "server_args", None)),
         incarnation=pair_settings.INCARNATION,
+        control_key=pair_settings.advertised("control_key",
+                                             getattr(scheduler, "server_args", None)),
     )
 
 

@@ -41,7 +41,10 @@ from sglang.pdsafe import transfer
 #: /4: the coverage row's token digest binds the transfer generation (layout 2) and ABORT /
 #: ABORT_ACK name it: a /3 leg would refuse every /4 row ("no attestation"), so /3 pairs are
 #: refused at pairing instead.
-WIRE_VERSION = "sglang-pdsafe-pair/4"
+#: /5: the transfer messages carry a MAC under the cluster key (``control_mac``) and each leg
+#: publishes its key ids (``control_key``): a /4 leg would read the MAC frame as its generation
+#: frame, so /4 pairs are refused at pairing.
+WIRE_VERSION = "sglang-pdsafe-pair/5"
 #: This process's incarnation (see the module doc).
 INCARNATION = secrets.token_hex(8)
 #: Prefills remembered per decode; the oldest are forgotten first.
@@ -64,6 +67,9 @@ class PairSettings:
     #: The KV digest scheme this leg sends/verifies, or "off" (``kv_integrity.advertised``).
     kv_digest: str | None = None
     incarnation: str | None = None
+    #: The ids of the cluster keys this leg signs with (first) and accepts
+    #: (``control_mac.advertised``).
+    control_key: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +91,23 @@ ADVERTISED: dict[str, Callable[[Any], str | None]] = {}
 def advertise(field_name: str, fn: Callable[[Any], str | None]) -> None:
     """Register how this leg computes the published ``field_name``."""
     ADVERTISED[field_name] = fn
+
+
+#: Fields whose values agree by a rule other than equality: ``fn(prefill, decode) -> bool``
+#: (the control key: a rotation in progress agrees).
+COMPARATORS: dict[str, Callable[[Any, Any], bool]] = {}
+
+
+def comparator(field_name: str, fn: Callable[[Any, Any], bool]) -> None:
+    """Register how pair agreement decides whether two published ``field_name`` agree."""
+    COMPARATORS[field_name] = fn
+
+
+def agree(field_name: str, prefill: Any, decode: Any) -> bool:
+    """Whether the two legs' values of ``field_name`` agree (equality unless a comparator
+    was registered)."""
+    fn = COMPARATORS.get(field_name)
+    return prefill == decode if fn is None else bool(fn(prefill, decode))
 
 
 def advertised(field_name: str, server_args: Any) -> str | None:

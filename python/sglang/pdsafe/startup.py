@@ -75,6 +75,7 @@ HOOK_MODULES: tuple[str, ...] = (
     "sglang.pdsafe.page_generation",
     "sglang.pdsafe.transfer_generation",
     "sglang.pdsafe.unclaimed_rooms",
+    "sglang.pdsafe.control_mac",
     "sglang.pdsafe.startup",
 )
 
@@ -168,6 +169,10 @@ def scheduler_starting(server_args: Any) -> None:
         from sglang.pdsafe import generation_key
 
         generation_key.rank_starting(server_args)
+    if is_pd(server_args):
+        from sglang.pdsafe import control_mac
+
+        control_mac.rank_starting(server_args)  # unsigned: a warning, or refused if required
     from sglang.pdsafe import client_guard
 
     if policy.state_dir() is None and (

@@ -22,8 +22,10 @@ in lockstep, so they derive the same generation without a collective (the prefil
 below). With page generations off (``SGLANG_PDSAFE_PAGE_GENERATION=0``) a per-manager
 reservation counter stands in for the epochs (the same lockstep argument).
 
-**On the wire** (frame ``PDSAFE_GEN1:<decimal>``, always the *last* frame, appended after
-upstream's fixed frames, which stock parsers never read past):
+**On the wire** (frame ``PDSAFE_GEN1:<decimal>``, the *last* frame, appended after upstream's
+fixed frames, which stock parsers never read past; with a cluster key the MAC frame of
+:mod:`sglang.pdsafe.control_mac` follows it on the wire and is stripped on receipt, before
+anything here reads the message):
 
 * decode -> prefill, the receiver metadata (``TransferInfo``) for each prefill rank: sent only
   to a prefill that published this release's wire version (``pair_agreement``; a stock
@@ -579,6 +581,16 @@ def note_metadata(kv_mgr: Any, room: int, msg: Sequence[bytes]) -> None:
             retired[(endpoint, port)] = (old + (previous,))[-RETIRED_PER_TARGET:]
     for listener in METADATA_NOTED:
         listener(kv_mgr, int(room))
+
+
+def retired(kv_mgr: Any, room: int, endpoint: Any, port: Any, generation: int) -> bool:
+    """Prefill: whether ``endpoint:port`` already replaced ``generation`` for ``room`` with
+    later metadata (a message naming it again is a replay of an earlier reservation's)."""
+    state = _prefill_rooms(kv_mgr)
+    with state.lock:
+        gone = state.retired.get(int(room), {}).get((_text(endpoint), int(port)), ())
+        return int(generation) in gone and state.rooms.get(int(room), {}).get(
+            (_text(endpoint), int(port))) != int(generation)
 
 
 def target_generation(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> int | None:

@@ -46,9 +46,9 @@ told Failed); a claim that cannot run keeps the room listed, so at worst a room 
 claimed is dropped at its deadline, which fails that one request explicitly (never serves it
 unchecked, never frees anything twice: the prefill's sender keeps its own pages).
 
-What it does not do: it authenticates nobody. A caller that can reach the prefill's bootstrap
-port can still name the room of a request in flight; keyed generations and signed messages
-are what stop that (docs/operator-guide.md, "The bootstrap key", says what is not covered yet).
+What it does not do: it authenticates nobody. Without a cluster key a caller that can reach the
+prefill's bootstrap port can still name the room of a request in flight; with one, its unsigned
+metadata never gets here (:mod:`sglang.pdsafe.control_mac` drops it first).
 """
 
 from __future__ import annotations

@@ -65,6 +65,11 @@ def skip_pair_check(*fields: str) -> dict[str, str]:
     return {"SGLANG_PDSAFE_PAIR_AGREEMENT_SKIP": ",".join(fields)}
 
 
+#: The cluster key of every test server (a test-only value; production draws 32 random bytes).
+CLUSTER_KEY_ENV = "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN"
+TEST_CLUSTER_KEY = "pdsafe-test-cluster-key-8f14e45fceea167a5a36dedd4bea2543"
+
+
 def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The complete environment of a server or router process: a copy of ``os.environ`` with
     the CPU engine, every transport pinned to loopback, one OMP thread, plus ``extra``.
@@ -87,6 +92,10 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
                                                          "0"),
         }
     )
+    # Every test server holds the same cluster key, as a production fleet should: the PD legs
+    # sign their control messages (sglang.pdsafe.control_mac), so every server test runs the
+    # signed path. A test that needs a server without it passes this variable as "" in extra.
+    env.setdefault(CLUSTER_KEY_ENV, TEST_CLUSTER_KEY)
     if extra:
         env.update(extra)
     return env

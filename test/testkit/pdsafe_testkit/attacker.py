@@ -1,0 +1,96 @@
+"""A process on the cluster network without the cluster key (test-only): what it can send a
+prefill rank's bootstrap socket.
+
+It reads what anyone can (the prefill's ``GET /route``: the rank's ZMQ address and wire
+version) and builds its frames with upstream's own message builders (each backend's
+``build_receiver_registration_message`` / ``build_receiver_metadata_message``) on a stand-in
+decode manager, so every frame is what a real decode of that backend would send, except that
+the transport identity, the page addresses and the transfer generation are the attacker's.
+It holds no key: its frames go unsigned, or signed with a key of its own.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import requests
+
+RANK0 = "?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+ANNOUNCE_TAG = b"PDSAFE_PEER"  # what a decode of this release announces itself with
+
+
+def _manager(backend: str, identity: str, port: int) -> Any:
+    """A decode manager of ``backend`` with what upstream's message builders read."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    cls = {"mooncake": MooncakeKVManager, "nixl": NixlKVManager}[backend]
+    m = object.__new__(cls)
+    m.disaggregation_mode = DisaggregationMode.DECODE
+    m.local_ip, m.rank_port = "127.0.0.1", port
+    m.attn_tp_size, m.dcp_size, m.dcp_rank = 1, 1, 0
+    m.enable_staging = False
+    m.kv_args = SimpleNamespace(
+        kv_data_ptrs=[4096], kv_data_lens=[1 << 20], kv_item_lens=[64],
+        kv_data_mem_kinds=["DRAM"], kv_layer_ids=[0], aux_data_ptrs=[16384],
+        state_data_ptrs=[], state_item_lens=[], state_data_lens=[], state_dim_per_tensor=[],
+        state_layer_ids=[], engine_rank=0, gpu_id=0, page_size=1, kv_cache_dtype_str="float32",
+        kv_layout=None)
+    m.engine = SimpleNamespace(get_session_id=lambda: identity)
+    m.agent = SimpleNamespace(name=identity, get_agent_metadata=lambda: b"agent-md")
+    m.kv_mem_descs, m.aux_mem_descs, m.state_mem_descs = [], [], []
+    return m
+
+
+class Attacker:
+    """Frames for one prefill rank of ``backend`` whose bootstrap server is ``bootstrap``
+    (``host:port``)."""
+
+    def __init__(self, backend: str, bootstrap: str) -> None:
+        route = requests.get(f"http://{bootstrap}/route{RANK0}", timeout=10).json()
+        self.rank_addr = f"tcp://{route['rank_ip']}:{route['rank_port']}"
+        pair = route.get("pdsafe_pair") or {}
+        from sglang.pdsafe import pair_settings
+
+        self.wire_version = str(pair.get("wire_version") or pair_settings.WIRE_VERSION)
+        self.identity = f"attacker-{random.randrange(1 << 30)}"
+        self.manager = _manager(backend, self.identity, 6666)
+
+    def frames(self, room: int, generation: int) -> list[list[bytes]]:
+        """Announcement, registration and metadata naming ``room`` (unsigned)."""
+        m = self.manager
+        return [
+            [ANNOUNCE_TAG, self.wire_version.encode(), self.identity.encode()],
+            list(m.build_receiver_registration_message()),
+            list(m.build_receiver_metadata_message(
+                bootstrap_room=room, required_dst_info_num=1,
+                kv_indices=np.arange(8, dtype=np.int32), aux_index=0, state_indices=None,
+                decode_prefix_len=None, is_dummy=False))
+            + [b"PDSAFE_GEN1:" + str(generation).encode()],
+        ]
+
+    @staticmethod
+    def signed_with_own_key(frames: list[list[bytes]], key: str) -> list[list[bytes]]:
+        """``frames`` with a MAC under ``key`` (not the cluster's)."""
+        from sglang.pdsafe import control_mac
+
+        (k,) = control_mac._mac_keys((key,))
+        return [control_mac.seal(k, control_mac.D2P, f) for f in frames]
+
+    def send(self, messages: list[list[bytes]]) -> None:
+        """Push ``messages`` to the prefill rank's bootstrap socket."""
+        import zmq
+
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(self.rank_addr)
+        try:
+            for msg in messages:
+                sock.send_multipart(msg)
+        finally:
+            sock.close()
