@@ -85,7 +85,7 @@ CI_SAMPLE = (
     "source_lease.draining", "quarantine.ready", "quarantine.hold",
     "coverage.attest_prefill_hook", "kv_integrity.verify_batch",
     "peer_capability.refuses_transfer_info", "admission.check_input_length",
-    "commit_gate.admit_commit",
+    "commit_gate.admit_commit", "control_mac.verified",
 )
 
 
@@ -195,7 +195,15 @@ def test_the_suite_covers_every_hook_the_servers_declare(suite: Suite) -> None:
 #: Closed since: ``transfer_generation.mint`` (a receiver cleared twice dropped the status of
 #: the room's next request; a second clear now leaves it alone, patch 0018) and
 #: ``peer_capability.refuses_transfer_info`` (its Failed echoes the metadata's generation).
-KNOWN_FINDINGS: dict[str, str] = {}
+KNOWN_FINDINGS: dict[str, str] = {
+    "control_mac.sealed": "a prefill that cannot sign a generation-tagged message (its "
+                          "Success, aux data) sends it unsigned; the keyed decode drops it and "
+                          "that one request waits for the decode's own timeout (no unsigned "
+                          "message may tell it otherwise); not in the CI sample",
+    "control_mac.sealed_for_prefill": "the alias item's prefill leg waits 20 s after the "
+                                      "decode failed its room at the first pairing message "
+                                      "(under investigation); not in the CI sample",
+}
 #: Closed 2026-12-06: ``coverage.attest_prefill_hook`` and ``page_generation.note_source_chunk``
 #: (the abort items' second request of the refused room waited 20 s on the decode: peer release
 #: told each decode endpoint once per refused room, not once per reservation; it now keys the

@@ -344,3 +344,39 @@ def test_replayed_signed_metadata_of_an_earlier_reservation_is_dropped(monkeypat
     info = prefill.m.transfer_infos[room][rank.kv.pdsafe_decode_identity()]
     assert list(np.asarray(info.dst_kv_indices)) == rank.page_order(second)
     assert _delta(before) == {control_mac.REPLAYED: 1}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_check_that_cannot_run_fails_the_room_at_once_on_both_legs(monkeypatch, backend):
+    """The failure policy of ``control_mac.verified`` (what the hook-failure suite injects on
+    real servers): the message is dropped, the room it names fails here, and a prefill tells
+    the decode endpoint of dropped metadata at once (tagged with its generation), so neither
+    client waits for a timeout."""
+    from sglang.pdsafe import policy
+
+    _keyed(monkeypatch)
+    room = tgt._room()
+    rank = tgt._Rank(monkeypatch, backend)
+    dreq = rank.reserve("r", room)
+    metadata = list(rank.last_metadata())
+    prefill = tgt._Prefill(backend)
+    prefill.m._stopped = False
+    cap._run_bootstrap_loop(monkeypatch, prefill.m, rank.registration())
+    spec = policy.HOOKS["control_mac.verified"]
+
+    def broken(*a, **k):
+        raise RuntimeError("the check cannot run")
+
+    monkeypatch.setattr(spec, "body", broken)
+    failed0 = metrics.value(control_mac.FAILED)
+    assert prefill.m.pdsafe_verified_message(metadata) is None
+    assert room not in prefill.m.transfer_infos
+    (told,) = prefill.take(rank)
+    r, status, _, reason = rank.kv.parse_kv_status_message(told)
+    assert (r, status) == (room, int(KVPoll.Failed)) and "authenticated" in reason, reason
+    assert told[-1] == tgt._gen(dreq.kv_receiver.pdsafe_transfer_generation())
+
+    success = tgt._upstream_status(backend, room, KVPoll.Success)
+    assert rank.kv.pdsafe_verified_message(success) is None
+    assert rank.kv.request_status[room] == KVPoll.Failed
+    assert metrics.value(control_mac.FAILED) >= failed0 + 1

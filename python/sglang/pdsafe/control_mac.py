@@ -304,10 +304,16 @@ def rank_starting(server_args: Any) -> bool:
 _failing = threading.local()
 
 
-def _room_of_parts(parts: Sequence[Any]) -> int | None:
+def _decode_bound_room(kv_mgr: Any, parts: Sequence[Any]) -> int | None:
+    """The room a message for a decode's control port names (a KV status read with the
+    backend's own parser: Mooncake's starts with the room, NIXL's with a tag)."""
+    body = split(parts)[0]
     try:
-        return int(bytes(parts[1]).decode("ascii"))
-    except (IndexError, ValueError, UnicodeDecodeError, TypeError):
+        if decode_kind(body) == "kv_status":
+            parsed = kv_mgr.parse_kv_status_message(list(body))
+            return None if parsed is None else int(parsed[0])
+        return int(bytes(body[1]).decode("ascii"))
+    except (IndexError, ValueError, UnicodeDecodeError, TypeError, AttributeError):
         return None
 
 
@@ -319,7 +325,7 @@ def _seal_failed(failure: policy.Failure) -> list[Any]:
     if not getattr(_failing, "active", False):
         _failing.active = True
         try:
-            transfer.fail_room(kv_mgr, _room_of_parts(parts), failure.refusal(
+            transfer.fail_room(kv_mgr, _decode_bound_room(kv_mgr, parts), failure.refusal(
                 500, "the KV transfer (a control message for it could not be signed)"))
         finally:
             _failing.active = False
@@ -327,7 +333,7 @@ def _seal_failed(failure: policy.Failure) -> list[Any]:
 
 
 @hook("control_mac.sealed", outcome=Outcome.REFUSE, counter=FAILED, on_failure=_seal_failed,
-      key=lambda kv_mgr, parts: ("room", _room_of_parts(parts)),
+      key=lambda kv_mgr, parts: ("room", _decode_bound_room(kv_mgr, parts)),
       effect="the message goes unsigned (the keyed decode drops it) and its room fails here "
              "(500), the decode told")
 def sealed(kv_mgr: Any, parts: list[Any]) -> list[Any]:
@@ -402,34 +408,61 @@ def _drop(kind: str, counter: str, why: str) -> None:
             f"; {suppressed} more since the last log" if suppressed else "")
 
 
-def _room_of(msg: Sequence[Any], side: str) -> int | None:
-    frames = list(msg)
-    if side == "prefill":
-        if frames and bytes(frames[0]) == _NIXL_GUARD:
-            frames = frames[1:]
-        try:
-            return int(bytes(frames[0]).decode("ascii"))
-        except (IndexError, ValueError, UnicodeDecodeError, TypeError):
-            return None
-    return _room_of_parts(frames)
+def _room_of(kv_mgr: Any, msg: Sequence[Any], side: str) -> int | None:
+    """The room a received message names (None: none, or unreadable)."""
+    if side != "prefill":
+        return _decode_bound_room(kv_mgr, msg)
+    frames = list(split(msg)[0])
+    if frames and bytes(frames[0]) == _NIXL_GUARD:
+        frames = frames[1:]
+    try:
+        return int(bytes(frames[0]).decode("ascii"))
+    except (IndexError, ValueError, UnicodeDecodeError, TypeError):
+        return None
+
+
+def _metadata_target(msg: Sequence[Any]) -> tuple[list[Any], int, str, int] | None:
+    """(frames without NIXL's guard, room, decode endpoint, port) of transfer metadata."""
+    frames = list(split(msg)[0])
+    if frames and bytes(frames[0]) == _NIXL_GUARD:
+        frames = frames[1:]
+    try:
+        return (frames, int(bytes(frames[0]).decode("ascii")),
+                bytes(frames[1]).decode("ascii"), int(bytes(frames[2]).decode("ascii")))
+    except (IndexError, ValueError, UnicodeDecodeError, TypeError):
+        return None
 
 
 def _verify_failed(failure: policy.Failure) -> None:
     """The check could not run: the message is dropped, and the room it names (when it can be
-    read) fails here, so its request gets an explicit error instead of a timeout."""
+    read) fails here, so its request gets an explicit error instead of a timeout. On a prefill,
+    the decode endpoint that sent metadata is told ``Failed`` at once (tagged with the
+    generation it sent): a check that could not run is this server's fault, not a forgery, so
+    its peer is not left waiting for its timeout."""
     kv_mgr, msg = failure.args[0], failure.args[1]
+    refusal = failure.refusal(
+        500, "the KV transfer (a control message for it could not be authenticated)")
     try:
-        room = _room_of(msg, transfer._side_of(kv_mgr))
+        side = transfer._side_of(kv_mgr)
+        room = _room_of(kv_mgr, msg, side)
+        target = _metadata_target(msg) if side == "prefill" and \
+            prefill_kind(split(msg)[0]) == "transfer_info" else None
     except Exception:  # noqa: BLE001 - unreadable: dropped, nothing to fail
-        room = None
-    transfer.fail_room(kv_mgr, room, failure.refusal(
-        500, "the KV transfer (a control message for it could not be authenticated)"))
+        room, target = None, None
+    try:
+        transfer.fail_room(kv_mgr, room, refusal)
+    finally:
+        if target is not None:
+            frames, room, endpoint, port = target
+            transfer_generation.note_metadata(kv_mgr, room, frames)  # a hook: never raises
+            transfer_generation.send_failed_status(kv_mgr, room, [(endpoint, port)],
+                                                   refusal.reason)
     return None
 
 
 def _verify_key(kv_mgr: Any, msg: Sequence[Any]) -> Any:
     try:
-        return ("room", _room_of(msg, transfer._side_of(kv_mgr)))
+        return ("room", _room_of(kv_mgr, msg, transfer._side_of(kv_mgr)))
     except Exception:  # noqa: BLE001
         return ("room", None)
 

@@ -94,7 +94,8 @@ stale pages and foreign KV, not a party that can write chosen bytes into both th
 digest. It says nothing about what the KV *means* (that prefill computed it from the right
 tokens is the coverage attestation's job, :mod:`sglang.pdsafe.coverage`), nor about bytes
 written after decode verified. The digest is per rank over that rank's shard: prefill and
-decode must shard the same way (heterogeneous TP/PP between the legs is not covered).
+decode must shard the same way (heterogeneous TP/PP between the legs is not covered: refused at
+pairing, ``pair_agreement.sharding_mismatches``).
 """
 
 from __future__ import annotations

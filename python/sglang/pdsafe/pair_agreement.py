@@ -176,6 +176,10 @@ REMEDIES = {
     "chat_template": "start both with the same --chat-template (or the same tokenizer)",
     "kv_digest": "run both with the same SGLANG_PDSAFE_KV_DIGEST (unset: on) and the same "
                  "sglang-pdsafe release",
+    "kv_sharding": "shard both legs' KV alike (the same attention TP, PP and attention-CP sizes, "
+                   "no DSA layer split or KV-cache sharding on the prefill): the KV digest "
+                   "cannot verify heterogeneous parallelism yet; or run both legs with "
+                   "SGLANG_PDSAFE_KV_DIGEST=0 (warned: transferred KV is then not verified)",
     "control_key": "set the same SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN (or --api-key) on "
                    "both legs (during a key rotation, each leg's first key must be one the other "
                    "lists) and the same SGLANG_PDSAFE_CONTROL_MAC",
@@ -322,6 +326,8 @@ def _check(queue: Any, bootstrap_addr: str, info: Any) -> str | None:
     if stock and peer_policy.pair_waived():  # rolling upgrade: the operator's explicit waiver
         skip = skip | {"wire_version"}
     found = compare(theirs, mine, skip=skip)
+    if not stock and "kv_sharding" not in skip:
+        found += sharding_mismatches(info, queue.kv_manager, theirs, mine)
     if not found:
         if stock and peer_policy.pair_waived():
             peer_policy.note_stock_peer(queue.kv_manager, bootstrap_addr,
@@ -329,6 +335,34 @@ def _check(queue: Any, bootstrap_addr: str, info: Any) -> str | None:
         _log_pairing(queue.kv_manager, bootstrap_addr, theirs, mine)
         return None
     return refusal_message(bootstrap_addr, found)
+
+
+def kv_sharding(attn_tp: Any, pp: Any, attn_cp: Any, layer_split: Any = False,
+                page_sharding: Any = False) -> str:
+    """How a leg shards its KV across ranks (``attn_tp=T,pp=P,attn_cp=C`` [, layer split, page
+    sharding]): the unit one rank's KV digest covers."""
+    out = f"attn_tp={attn_tp},pp={pp},attn_cp={attn_cp}"
+    return out + (",dsa-layer-split" if layer_split else "") + (
+        ",kv-cache-sharding" if page_sharding else "")
+
+
+def sharding_mismatches(info: Any, kv_mgr: Any, prefill: PairSettings,
+                        decode: PairSettings) -> list[Mismatch]:
+    """The KV digest verifies each decode rank's KV against the digest of the one prefill rank
+    that wrote it; with another TP, PP or attention-CP size on the two legs (heterogeneous
+    parallelism), or a prefill that splits its DSA cache by layer or shards pages, the digests
+    cover other bytes and every transfer would fail (500). Refused at pairing instead, naming
+    both layouts. Not compared when the digest is off on both legs (pair agreement keeps the
+    ``kv_digest`` setting equal), or when the prefill published no topology."""
+    if "off" in (prefill.kv_digest, decode.kv_digest):
+        return []
+    tp, pp, cp = (_field(info, k) for k in ("attn_tp_size", "pp_size", "attn_cp_size"))
+    if tp is None or pp is None:
+        return []
+    theirs = kv_sharding(tp, pp, cp or 1, _field(info, "enable_dsa_cache_layer_split"),
+                         _field(info, "enable_kv_cache_sharding"))
+    mine = kv_sharding(kv_mgr.attn_tp_size, kv_mgr.pp_size, getattr(kv_mgr, "attn_cp_size", 1))
+    return [] if theirs == mine else [Mismatch("kv_sharding", theirs, mine)]
 
 
 def _fetch_info(bootstrap_addr: str) -> dict[str, Any] | None:
