@@ -17,7 +17,7 @@ TIMEOUT=(--timeout "${PDSAFE_ABLATION_TEST_TIMEOUT:-240}")
 # should fail its test on the assertion, not on the test timeout.
 export PDSAFE_STARTUP_TIMEOUT=${PDSAFE_STARTUP_TIMEOUT:-150}
 
-# A row that removes a patch adding a named upstream API (0013, 0016, 0025, 0026) also removes 0031: its
+# A row that removes a patch adding a named upstream API (0013, 0016, 0025, 0026) also removes 0032: its
 # startup self-check would otherwise refuse to start every server (the fail-closed check doing
 # its job), and the row would show a setup error instead of the protection's own assertion.
 #
@@ -34,12 +34,12 @@ ROWS=(
   "decode-limit|0011|test/admission/test_http_admission.py -k pd_refuses"
   "coverage|0012|test/pd/test_divergence.py -k mooncake"
   "peer-release-kv|0013 0014 0015|test/kv/test_kv_transfer.py -k prefill_abort"
-  "peer-release|0013 0014 0015 0031|test/pd/test_peer_release.py -k mooncake"
+  "peer-release|0013 0014 0015 0032|test/pd/test_peer_release.py -k mooncake"
   "peer-release-doors|0014|test/pd/test_peer_release.py -k mooncake and direct"
   "peer-release-http|0015|test/pd/test_peer_release.py -k mooncake and router"
   "liveness-limits|0011|test/pd/test_liveness_limits.py -k every_length and mooncake"
-  "pair-agreement|0016 0031|test/pd/test_liveness_limits.py -k mismatched_pair"
-  "startup-report|0031|test/pd/test_pd_content.py -k startup_report"
+  "pair-agreement|0016 0032|test/pd/test_liveness_limits.py -k mismatched_pair"
+  "startup-report|0032|test/pd/test_pd_content.py -k startup_report"
   "peer-refusal-status|0017|test/pd/test_peer_release.py -k refusal_direct"
   "explicit-limits-unit|0007|test/unit/test_admission_explicit_limits.py"
   "peer-release-api-unit|0013|test/unit/test_hook_api.py test/unit/test_peer_release_backends.py"
@@ -54,14 +54,15 @@ ROWS=(
   "peer-capability-unit|0022|test/unit/test_peer_capability.py"
   "source-lease-unit|0023|test/unit/test_source_lease.py"
   "page-generation-unit|0024|test/unit/test_page_generation.py"
-  "transfer-generation-unit|0025 0031|test/unit/test_transfer_generation.py"
-  "transfer-generation-e2e|0025 0031|test/pd/test_transfer_generation_e2e.py -k mooncake"
-  "abort-generation-unit|0026 0031|test/unit/test_abort_generation.py"
+  "transfer-generation-unit|0025 0032|test/unit/test_transfer_generation.py"
+  "transfer-generation-e2e|0025 0032|test/pd/test_transfer_generation_e2e.py -k mooncake"
+  "abort-generation-unit|0026 0032|test/unit/test_abort_generation.py"
   "scheduler-door-unit|0027|test/unit/test_scheduler_door.py"
   "scheduler-door-grpc|0027|test/admission/test_grpc_entry_point.py -k spoofed"
   "operator-release-unit|0028|test/unit/test_operator_api.py"
   "bootstrap-auth-unit|0029|test/unit/test_bootstrap_auth.py"
   "control-mac-unit|0030|test/unit/test_control_mac.py"
+  "sample-rooms-unit|0031|test/unit/test_sample_rooms.py"
   "operator-release|0028|test/pd/test_late_write.py -k operator"
 )
 

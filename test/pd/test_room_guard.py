@@ -13,8 +13,7 @@ refuses a request whose room is live there with 409 before anything is reserved,
   is served again once its requests are gone (the room is always released);
 * the refusals are counted (``sglang:pdsafe_room_duplicate_refused_total``).
 
-``n>1`` on a PD server (all samples share the request's room) is refused with 400 on both
-legs, counted in ``sglang:pdsafe_room_parallel_sampling_refused_total``.
+``n>1`` on a PD server is served with one room per sample: test/pd/test_parallel_sampling.py.
 Server-free checks of the same logic: test/unit/test_room_guard.py.
 """
 
@@ -40,7 +39,6 @@ LEG_TIMEOUT_S = 45.0
 #: How long the room may take to be released after its last request is gone.
 RELEASE_BOUND_S = 30.0
 DUPLICATES = "sglang:pdsafe_room_duplicate_refused_total"
-PARALLEL = "sglang:pdsafe_room_parallel_sampling_refused_total"
 
 
 def _send(url: str, ids: list[int], boot: dict, **extra) -> GenResult:
@@ -120,24 +118,3 @@ def test_duplicate_rooms_concurrent_direct(pd, oracle, model_path):
         oracle.assert_identical(rd, ids, MAX_NEW, f"room {room} reused after its requests")
 
 
-@server
-def test_parallel_sampling_refused_in_pd(pd, model_path):
-    rng = random.Random(9002)
-    ids = random_prompt(rng, 40, model_path)
-    legs = {"prefill": pd.prefill, "decode": pd.decode}
-    before = {k: s.metric(PARALLEL) for k, s in legs.items()}
-    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pd.prefill.bootstrap_port,
-            "bootstrap_room": rng.randrange(1 << 62)}
-    payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "n": 2,
-                                                     "temperature": 0.0}, **boot}
-    for k, s in legs.items():
-        r = requests.post(s.url + "/generate", json=payload, timeout=60)
-        assert r.status_code == 400, (k, r.status_code, r.text[:300])
-        assert "n=2 (parallel sampling) is not supported" in r.text, r.text[:300]
-        assert s.metric(PARALLEL) == before[k] + 1
-        assert _alive(s.url)
-    if pd.router is not None:
-        r = requests.post(pd.router.url + "/generate", json={k: v for k, v in payload.items()
-                                                               if not k.startswith("bootstrap")},
-                          timeout=60)
-        assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])

@@ -1,4 +1,4 @@
-"""The startup checks and the protection report (``sglang.pdsafe.startup``, patch 0031).
+"""The startup checks and the protection report (``sglang.pdsafe.startup``, patch 0032).
 
 * A PD server whose installed upstream lacks a method the pdsafe hooks call refuses to start
   with the list of what is missing; a co-located server does not need the PD hook targets.

@@ -24,8 +24,10 @@ This module closes both:
   different requests of one room (prefill kept A, decode kept B), decode's commit gate refuses
   the transfer (the coverage attestation's token digest binds prefill's tokens, see
   :mod:`sglang.pdsafe.coverage`): an explicit error, never another request's KV.
-* **The HTTP layer** of a PD server refuses ``n>1`` (parallel sampling) with HTTP 400
-  (:class:`ParallelSamplingRefusedError`), counted in
+* **Parallel sampling** (``n>1``) on a PD server is served with one room per sample
+  (:mod:`sglang.pdsafe.sample_rooms`, patch 0031); a tokenizer manager without that patch (an
+  earlier prefix of the series, or an upstream in another shape) refuses ``n>1`` at the HTTP
+  layer with 400 (:class:`ParallelSamplingRefusedError`), counted in
   ``sglang:pdsafe_room_parallel_sampling_refused_total``, before the request is registered.
 
 State: the room's live :class:`~sglang.pdsafe.transfer.Transfer` record in the KV manager's
@@ -111,8 +113,8 @@ def enabled() -> bool:
 register(Protection(
     name="bootstrap-room-guard",
     guards="a bootstrap_room live on this server is refused (409) at the PD scheduler doors "
-           "and n>1 sampling is refused (400) at the HTTP layer (shared rooms crash the "
-           "schedulers and share one transfer's state)",
+           "(shared rooms crash the schedulers and share one transfer's state); each sample of "
+           "an n>1 request is transferred under its own room",
     switched_off=off_by(ENV_ENABLE),
 ))
 
@@ -392,7 +394,8 @@ class ParallelSamplingRefusedError(AdmissionError):
 @hook("room_guard.check_http_request", outcome=Outcome.REFUSE, counter=FAILED,
       on_failure=raise_refusal, effect="503 at the HTTP layer, before the request is registered")
 def check_http_request(tokenizer_manager: Any, obj: Any) -> None:
-    """After normalization: refuse ``n>1`` on a PD server (400, before it is registered).
+    """After normalization: refuse ``n>1`` on a PD server whose tokenizer manager cannot give
+    each sample its own room (400, before it is registered).
 
     Raises :class:`ParallelSamplingRefusedError`. A server whose PD mode cannot be read is
     treated as PD (fail closed).
@@ -400,6 +403,8 @@ def check_http_request(tokenizer_manager: Any, obj: Any) -> None:
     n = getattr(obj, "parallel_sample_num", 1)
     if not isinstance(n, int) or n <= 1 or not enabled():
         return
+    if callable(getattr(type(tokenizer_manager), "pdsafe_sample_room", None)):
+        return  # each sample is transferred under its own room (sample_rooms)
     server_args = getattr(tokenizer_manager, "server_args", None)
     try:
         if not is_pd(server_args):

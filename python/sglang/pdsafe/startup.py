@@ -76,6 +76,7 @@ HOOK_MODULES: tuple[str, ...] = (
     "sglang.pdsafe.transfer_generation",
     "sglang.pdsafe.unclaimed_rooms",
     "sglang.pdsafe.control_mac",
+    "sglang.pdsafe.sample_rooms",
     "sglang.pdsafe.startup",
 )
 
