@@ -37,11 +37,14 @@ it pairs, before it announces itself or sends any metadata, so it refuses in bot
 
 * **prefill of another release, fork decode**: every request fails at once on both legs with
   the decode's refusal naming both versions (``wire_version: prefill='sglang-pdsafe-pair/2',
-  decode='sglang-pdsafe-pair/4'``), never a hang and never an HTTP 200; the decode counts the
+  decode='sglang-pdsafe-pair/5'``), never a hang and never an HTTP 200; the decode counts the
   prefill once (``pair_setting_mismatch``); the prefill refuses nothing (it never gets a
   decode's metadata); both servers keep running.
 * **fork prefill, decode of another release**: the same, with the versions the other way
-  round (``prefill='sglang-pdsafe-pair/4', decode='sglang-pdsafe-pair/2'``).
+  round (``prefill='sglang-pdsafe-pair/5', decode='sglang-pdsafe-pair/2'``).
+* **same release, another cluster key on the decode**: refused at pairing the same way, the
+  error naming both legs' key ids (``control_key: prefill='blake2b-mac:…', decode=…``), never
+  the keys; no message reaches the prefill.
 
 Pairing is refused over HTTP before either KV backend moves a byte, so these run on Mooncake
 only unless ``PDSAFE_FULL_BACKENDS=all`` (``pdsafe_testkit.backends.ci_backends``). So does the
@@ -361,3 +364,46 @@ def test_fork_prefill_other_release_decode_refused_at_pairing(other_release_deco
     _assert_refused_at_pairing(other_release_decode, model_path,
                                prefill_version=WIRE_VERSION, decode_version=OTHER_RELEASE,
                                seed=1106)
+
+
+#: A decode of this release with another cluster key than the fleet's (issue 21, item 7).
+WRONG_KEY_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN":
+                 "a-different-cluster-key-0f1e2d3c4b5a69788796a5b4c3d2e1f0"}
+UNAUTHENTICATED = ("sglang:pdsafe_unauthenticated_announce_dropped_total",
+                   "sglang:pdsafe_unauthenticated_registration_dropped_total",
+                   "sglang:pdsafe_unauthenticated_transfer_info_dropped_total")
+
+
+@pytest.fixture(params=ci_backends())
+def wrong_key_decode(request, fork_legs: _ForkLegs) -> Iterator[PDStack]:
+    for st in _with_fork_leg(fork_legs, request.param, own="decode", own_env=WRONG_KEY_ENV):
+        _assert_versions(st, stock=None)
+        yield st
+
+
+def test_a_decode_with_another_cluster_key_is_refused_at_pairing(wrong_key_decode: PDStack,
+                                                                 model_path):
+    """Same release, another cluster key on the decode: the decode refuses the prefill at
+    pairing, naming both legs' key ids (never the keys) and the remedy; every request fails at
+    once on both legs, counted once; nothing reaches the prefill's control thread (no dropped
+    message either: the decode never announces itself); both servers keep running."""
+    st = wrong_key_decode
+    mismatch0 = metric_total(st.decode.url, MISMATCH_COUNTER)
+    dropped0 = sum(metric_total(st.prefill.url, n) for n in UNAUTHENTICATED)
+    rng = random.Random(1107)
+    for i in range(2):
+        ids = random_prompt(rng, rng.randint(20, 120), model_path)
+        p, d = direct_pd_generate(st, ids, MAX_NEW, timeout=BOUND_S)
+        for side, r in (("decode", d), ("prefill", p)):
+            assert r.status != 200 and not r.output_ids, f"request {i}: the {side} served: {r}"
+            msg = r.error_message
+            assert "control_key: prefill='blake2b-mac:" in msg and \
+                "decode='blake2b-mac:" in msg and \
+                "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN" in msg, (
+                    f"request {i}: the {side}'s error does not name the key mismatch: {msg}")
+            assert WRONG_KEY_ENV["SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN"] not in msg
+    assert metric_total(st.decode.url, MISMATCH_COUNTER) == mismatch0 + 1
+    assert sum(metric_total(st.prefill.url, n) for n in UNAUTHENTICATED) == dropped0
+    for side in (st.prefill, st.decode):
+        assert side.process.alive(), f"{side.config.role} died"
+        assert requests.get(side.url + "/health", timeout=30).status_code == 200

@@ -449,6 +449,17 @@ def components(pool: Any) -> list[Component]:
     return comps
 
 
+def draft_components(draft_pool: Any) -> list[Component]:
+    """Every component of a speculative-decoding draft pool (EAGLE, MTP) that the PD transfer
+    writes next to the target pool (upstream appends its buffers to ``kv_data_ptrs``, the last
+    ``num_draft_entries``). The draft KV shares the target's token indices, so its rows are
+    addressed by the same ``req_to_token`` row; a draft pool of a layout the digest does not
+    cover, or with a registered buffer no component covers, is refused like a target pool."""
+    comps = _attention_components(draft_pool, "draft.", Space.TOKEN)
+    _check_covers_transfer(draft_pool, comps)
+    return comps
+
+
 def _transfer_buffers(pool: Any) -> list[tuple[str, int]]:
     """(source, data_ptr) of every non-empty buffer the PD transfer registers for ``pool``."""
     out: list[tuple[str, int]] = []
@@ -475,11 +486,17 @@ def _check_covers_transfer(pool: Any, comps: Sequence[Component]) -> None:
             "refusing rather than digesting part of the KV")
 
 
-def layout_signature(pool: Any, comps: Sequence[Component] | None = None) -> Signature:
-    """The signature of ``pool``'s digested layout (see the module docstring)."""
-    comps = components(pool) if comps is None else comps
+def layout_signature(pool: Any, comps: Sequence[Component] | None = None,
+                     draft_pool: Any = None) -> Signature:
+    """The signature of ``pool``'s digested layout (see the module docstring), and of the
+    draft pool's when one is transferred with it (a leg with a draft pool and one without never
+    share a signature: the decode refuses such a transfer as invalid)."""
+    if comps is None:
+        comps = components(pool) + ([] if draft_pool is None else draft_components(draft_pool))
     parts = [SCHEME, f"leaf={LEAF_BYTES}", f"byteorder={sys.byteorder}",
-             f"pool={type(pool).__name__}"] + [c.describe() for c in comps]
+             f"pool={type(pool).__name__}"] + (
+        [] if draft_pool is None else [f"draft={type(draft_pool).__name__}"]) + [
+        c.describe() for c in comps]
     text = ";".join(parts)
     return Signature(text=text, digest=xxhash.xxh3_128_digest(text.encode()))
 
@@ -493,14 +510,17 @@ class Prepared:
     signature: Signature
 
 
-def prepare(pool: Any) -> Prepared:
-    """Work out ``pool``'s components and signature once (about 1-2 ms for 64 components).
+def prepare(pool: Any, draft_pool: Any = None) -> Prepared:
+    """Work out ``pool``'s components and signature once (about 1-2 ms for 64 components),
+    with the speculative-decoding ``draft_pool``'s after them when the transfer carries one.
 
     A server does this when its KV pool is built and passes the result to
     :func:`digest_request`; prepare again if the pool's buffers are ever reallocated.
     """
-    comps = tuple(components(pool))
-    return Prepared(pool, comps, layout_signature(pool, comps))
+    comps = components(pool)
+    if draft_pool is not None:
+        comps += draft_components(draft_pool)
+    return Prepared(pool, tuple(comps), layout_signature(pool, comps, draft_pool))
 
 
 # --------------------------------------------------------------------------- scrub

@@ -256,8 +256,8 @@ def write_row(buf: Any, index: int, words: list[int]) -> None:
 class Digester:
     """One leg's digest state: its KV pool, prepared once (components, signature)."""
 
-    def __init__(self, pool: Any) -> None:
-        self.prepared = kv_digest.prepare(pool)
+    def __init__(self, pool: Any, draft_pool: Any = None) -> None:
+        self.prepared = kv_digest.prepare(pool, draft_pool)
         self.spaces = {c.space for c in self.prepared.components}
 
     def digest(self, scheduler: Any, req: Any, *, prefix: int, length: int, room: int,
@@ -293,16 +293,17 @@ class Digester:
 
 @hook("kv_integrity.leg_digester", outcome=Outcome.POISON, counter=FAILED,
       on_failure=policy.reraise_at_startup, effect="the scheduler refuses to start")
-def leg_digester(pool: Any, disagg: Any) -> Digester | None:
-    """Init hook of both PD queues: this leg's :class:`Digester`, or None when the digest is
-    off (explicitly: the startup report warns). A pool layout the digest cannot cover
-    completely refuses the server's start (naming the layout and the switch), rather than
-    serving transfers that every decode would refuse."""
+def leg_digester(pool: Any, disagg: Any, draft_pool: Any = None) -> Digester | None:
+    """Init hook of both PD queues: this leg's :class:`Digester` (over its KV pool and, when
+    the leg runs speculative decoding, the draft pool the transfer carries with it), or None
+    when the digest is off (explicitly: the startup report warns). A pool layout the digest
+    cannot cover completely refuses the server's start (naming the layout and the switch),
+    rather than serving transfers that every decode would refuse."""
     if not carrier_enabled(disagg):
         return None
     kv_breaker.breaker()  # a malformed SGLANG_PDSAFE_KV_MISMATCH_BREAKER refuses the start
     try:
-        return Digester(pool)
+        return Digester(pool, draft_pool)
     except kv_digest.UnsupportedLayout as e:
         raise policy.StartupRefusedError(
             f"sglang-pdsafe: the KV digest cannot cover this server's KV pool ({e}). Every "

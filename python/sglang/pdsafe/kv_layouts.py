@@ -33,8 +33,9 @@ _HISPARSE = ("HiSparse moves pages between device and host while decoding; its l
              "digested yet")
 _MINIMAX = "MiniMax's sparse / NVFP4 index layout is not digested yet"
 _UNIFIED = "the unified memory pool (--enable-unified-memory) is not digested yet"
-_DRAFT = ("the unified draft pool of speculative decoding: draft KV is not digested yet "
-          "(transferred unchecked would be a silent skip)")
+_DRAFT = ("the unified draft pool of speculative decoding (draft and target KV in one unified "
+          "allocation, transferred by physical ids) is not digested yet; a separate draft pool "
+          "of a covered layout is")
 _INTERLEAVE = "the page-interleaved layout is not digested yet"
 
 #: ``module:QualName`` (module relative to ``sglang.srt``) -> a layout of :data:`LAYOUTS`, or

@@ -260,6 +260,15 @@ def announced_version(kv_mgr: Any, decode_identity: str) -> str | None:
         return peers.versions.get(str(decode_identity))
 
 
+def announced_or_pending(kv_mgr: Any, decode_identity: str) -> bool:
+    """Whether ``decode_identity`` announced a wire version (registered, or announced and about
+    to register): a decode of a pdsafe release, not a stock one."""
+    peers = _peers(kv_mgr)
+    identity = str(decode_identity)
+    with peers.lock:
+        return identity in peers.versions or identity in peers.pending
+
+
 def _release() -> str:
     return f"sglang-pdsafe {build_info().get('version')}"
 

@@ -583,6 +583,14 @@ def note_metadata(kv_mgr: Any, room: int, msg: Sequence[bytes]) -> None:
         listener(kv_mgr, int(room))
 
 
+def room_has_generations(kv_mgr: Any, room: int) -> bool:
+    """Prefill: whether some decode endpoint's current metadata for ``room`` carried a
+    generation (a decode of this release sent it)."""
+    state = _prefill_rooms(kv_mgr)
+    with state.lock:
+        return bool(state.rooms.get(int(room)))
+
+
 def retired(kv_mgr: Any, room: int, endpoint: Any, port: Any, generation: int) -> bool:
     """Prefill: whether ``endpoint:port`` already replaced ``generation`` for ``room`` with
     later metadata (a message naming it again is a replay of an earlier reservation's)."""
