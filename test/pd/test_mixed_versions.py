@@ -10,10 +10,11 @@ so a pair can never silently be fork/fork.
   coverage attestation. Every request fails on both legs with an explicit error naming the
   missing pdsafe wire version (pair agreement), at once, never a hang and never an HTTP 200;
   the decode counts the refused prefill once; both servers keep running.
-* **fork prefill, stock decode**: the stock decode announces no pdsafe wire version, so the
-  fork prefill refuses it at bootstrap (``sglang.pdsafe.peer_capability``): every request fails
-  at once on both legs with an explicit error naming both versions and the missing capability
-  (``decode-protections``), never a hang and never an HTTP 200; the prefill counts the decode
+* **fork prefill (no cluster key yet), stock decode**: the stock decode announces no pdsafe
+  wire version, so the fork prefill refuses it at bootstrap
+  (``sglang.pdsafe.peer_capability``): every request fails at once on both legs with an
+  explicit error naming both versions and the missing capability (``decode-protections``),
+  never a hang and never an HTTP 200; the prefill counts the decode
   once per rank (``decode_peer_refused``); both servers keep running.
 * **fork prefill, stock decode with the upgrade-window waiver**
   (``SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS=decode-protections`` on the prefill): the fork's extra
@@ -175,11 +176,27 @@ def stock_prefill(request, stock_env, fork_legs: _ForkLegs) -> Iterator[PDStack]
         yield st
 
 
+#: A fork prefill without a cluster key: the rolling upgrade from stock decodes, before the key
+#: is introduced (a keyed prefill drops a stock decode's unsigned metadata instead of refusing it
+#: with this message: test/unit/test_control_mac.py; operator guide, "Rolling upgrades").
+UNKEYED = {"SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN": ""}
+
+
 @pytest.fixture(params=ci_backends())
-def stock_decode(request, stock_env, fork_legs: _ForkLegs) -> Iterator[PDStack]:
-    for st in _with_fork_leg(fork_legs, request.param, own="decode", own_env=stock_env):
+def stock_decode(request, stock_env, log_dir: Path, model_path: Path) -> Iterator[PDStack]:
+    backend = request.param
+    p_cfg, d_cfg = _cfg("prefill", model_path, UNKEYED), _cfg("decode", model_path, stock_env)
+    p_cfg.backend = d_cfg.backend = backend
+    p = launch_server(p_cfg, log_dir, wait=False)
+    d = launch_server(d_cfg, log_dir, wait=False)
+    try:
+        wait_server(p)
+        wait_server(d)
+        st = PDStack(backend, p, d, None)
         _assert_versions(st, stock="decode")
         yield st
+    finally:
+        stop_together(p, d)
 
 
 DECODE_WAIVER = {"SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS": "decode-protections"}

@@ -383,38 +383,26 @@ def test_a_check_that_cannot_run_fails_the_room_at_once_on_both_legs(monkeypatch
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_stock_decode_is_still_refused_at_once_under_a_key(monkeypatch, backend):
-    """The rolling-upgrade rule holds on a keyed prefill: a stock decode (no announcement, no
-    MAC) is refused with the message naming both versions and the missing capability, its room
-    fails at once, nothing is stored; its registration is dropped (counted)."""
+def test_unsigned_metadata_never_fails_a_live_room_whoever_sends_it(monkeypatch, backend):
+    """A keyless sender names the room of a request whose sender is open on the prefill,
+    before its decode's metadata arrived, from an identity that never announced (what a stock
+    decode looks like): dropped and counted; the room is not refused, nothing is stored or
+    sent, the room's own decode then bootstraps it signed. (Unkeyed, such metadata gets the
+    stock-decode refusal, which fails the room: test_peer_capability.py.)"""
     _keyed(monkeypatch)
     room = tgt._room()
-    d, frames = cap._fork_decode_frames(monkeypatch, backend, [room])
-    stock = [f[:-1] if _mac(f[-1]) else f for f in frames
-             if f[0] != peer_capability.ANNOUNCE_TAG]
-    m, sent, registered = cap._prefill(backend)
-    m.request_status[room] = KVPoll.Bootstrapping  # its sender is open
-    before = _counts()
-    cap._run_bootstrap_loop(monkeypatch, m, stock)
-    assert registered == [] and room not in m.transfer_infos
-    told = cap._failed_statuses(m, sent)
-    assert set(told) == {room} and "decode-protections" in told[room], told
-    assert m.request_status[room] == KVPoll.Failed
-    assert _delta(before) == {control_mac.unauthenticated_counter("registration"): 1}
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_unsigned_metadata_for_a_room_a_fork_decode_bootstrapped_is_dropped(monkeypatch,
-                                                                           backend):
-    """A keyless sender naming a room whose signed metadata is already here, from an identity
-    that never announced: dropped, the room untouched (no refusal it could trigger)."""
-    _keyed(monkeypatch)
-    room = tgt._room()
-    rank, dreq, prefill = tgt._served(monkeypatch, backend, room)
+    rank = tgt._Rank(monkeypatch, backend)
+    rank.reserve("r", room)
+    prefill = tgt._Prefill(backend)
+    prefill.m.request_status[room] = KVPoll.Bootstrapping  # the prefill's request is open
     attacker, frames = _attacker_frames(monkeypatch, backend, room, key=None)
     before = _counts()
     prefill.m._stopped = False
-    cap._run_bootstrap_loop(monkeypatch, prefill.m, [frames[2]])
-    assert set(prefill.m.transfer_infos[room]) == {rank.kv.pdsafe_decode_identity()}
-    assert prefill.m.request_status[room] == KVPoll.WaitingForInput and prefill.sent == []
-    assert _delta(before) == {control_mac.unauthenticated_counter("transfer_info"): 1}
+    cap._run_bootstrap_loop(monkeypatch, prefill.m, [frames[1], frames[2]])
+    assert room not in prefill.m.transfer_infos and prefill.sent == []
+    assert prefill.m.request_status[room] == KVPoll.Bootstrapping
+    assert _delta(before) == {control_mac.unauthenticated_counter(k): 1
+                              for k in ("registration", "transfer_info")}
+    prefill.receive(monkeypatch, rank)
+    assert list(prefill.m.transfer_infos[room]) == [rank.kv.pdsafe_decode_identity()]
+    assert prefill.m.request_status[room] == KVPoll.WaitingForInput

@@ -49,13 +49,11 @@ Checked (each backend's control thread, first thing after the receive, :func:`ve
 * a keyed prefill drops an unsigned announcement, registration or transfer metadata, unless
   its operator waived the decode protections for stock decodes
   (``SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS=decode-protections``: a stock decode cannot sign; the
-  waiver is what lets it in, and everyone who can reach the port with it). One exception keeps
-  the rolling-upgrade rule (a stock decode is refused at once, with a message naming both
-  versions): unsigned metadata from an identity that never announced a wire version, for a room
-  no decode of this release sent metadata for, goes on to the decode-capability check, which
-  refuses it (nothing is written to it, its decode is told). A keyless sender can therefore
-  still fail a room it names before that room's own decode bootstrapped it (a failed request,
-  never KV written anywhere);
+  waiver is what lets it in, and everyone who can reach the port with it). Nothing unsigned
+  reaches the decode-capability check either, so a keyless sender cannot make the prefill refuse
+  (fail) a live room by naming it. The price: a stock decode paired with a keyed prefill is not
+  told (its metadata is dropped, counted, logged): its requests fail at their waiting timeout;
+  introduce the cluster key once no stock decode is left (operator guide, "Rolling upgrades");
 * a keyed prefill also drops signed metadata that names a generation the same decode endpoint
   already replaced for the room (a replay of an earlier reservation's metadata would point the
   transfer at pages that reservation freed), counted in ``replayed_transfer_info_dropped_total``.
@@ -94,7 +92,6 @@ from sglang.pdsafe import (
     bootstrap_auth,
     metrics,
     pair_settings,
-    peer_capability,
     peer_policy,
     policy,
     transfer,
@@ -502,10 +499,11 @@ def verified(kv_mgr: Any, msg: list[Any]) -> list[Any] | None:
     if not ks:
         return body
     if side == "prefill":
-        if kind in MUST_SIGN_TO_PREFILL and not peer_policy.decode_protections_waived() \
-                and not _stock_metadata(kv_mgr, body, kind):
+        if kind in MUST_SIGN_TO_PREFILL and not peer_policy.decode_protections_waived():
             _drop(kind, counter, "it is unsigned (a decode of this release signs it; a stock "
-                                 "decode is served only under the operator's waiver)")
+                                 "decode sends it unsigned: its requests fail at their waiting "
+                                 "timeout unless the operator waives decode-protections, and "
+                                 "a sender without the cluster key is never heard)")
             return None
         return body
     if transfer_generation.frame_generation(body) is not None:
@@ -513,29 +511,6 @@ def verified(kv_mgr: Any, msg: list[Any]) -> list[Any] | None:
                              "release signs every such message)")
         return None
     return body
-
-
-def _stock_metadata(kv_mgr: Any, body: Sequence[Any], kind: str) -> bool:
-    """Unsigned metadata a keyed prefill lets through to the decode-capability check, which
-    refuses it with the explicit stock-decode message (the rolling-upgrade rule): from an
-    identity that never announced a wire version, for a room no decode of this release sent
-    metadata for. Anything else unsigned is dropped: an announced identity signs, and a room a
-    fork decode already bootstrapped is not failed by whoever names it without the key."""
-    if kind != "transfer_info":
-        return False
-    target = _metadata_target(body)
-    frames = list(body)
-    if frames and bytes(frames[0]) == _NIXL_GUARD:
-        frames = frames[1:]
-    if target is None or len(frames) < 4:
-        return False
-    try:
-        identity = bytes(frames[3]).decode("ascii")
-    except UnicodeDecodeError:
-        return False
-    if peer_capability.announced_or_pending(kv_mgr, identity):
-        return False
-    return not transfer_generation.room_has_generations(kv_mgr, target[1])
 
 
 def _replayed(kv_mgr: Any, body: Sequence[Any]) -> bool:
