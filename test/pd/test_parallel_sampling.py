@@ -14,25 +14,25 @@ serves a normal request identically.
 from __future__ import annotations
 
 import random
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import requests
 from pdsafe_testkit.oracle import random_prompt
-from pdsafe_testkit.servers import generate
+from pdsafe_testkit.servers import decode_idle, direct_pd_generate, generate
 
 pytestmark = pytest.mark.server
 
 MAX_NEW = 10
 
 
+def _params(n: int) -> dict[str, Any]:
+    return {"max_new_tokens": MAX_NEW, "n": n, "temperature": 0.0, "ignore_eos": True}
+
+
 def _post(url: str, ids: list[int], n: int, **extra: Any) -> tuple[int, Any]:
-    payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "n": n,
-                                                     "temperature": 0.0, "ignore_eos": True},
-               **extra}
+    payload = {"input_ids": ids, "sampling_params": _params(n), **extra}
     r = requests.post(url + "/generate", json=payload, timeout=120)
     try:
         return r.status_code, r.json()
@@ -50,32 +50,6 @@ def _reference(reference, ids: list[int], n: int) -> list[list[int]]:
     return _samples(*_post(reference.url, ids, n), n, f"co-located n={n}")
 
 
-def _direct(pd, ids: list[int], n: int, room: int) -> tuple[tuple[int, Any], tuple[int, Any]]:
-    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pd.prefill.bootstrap_port,
-            "bootstrap_room": room}
-    out: dict[str, tuple[int, Any]] = {}
-    ts = [threading.Thread(target=lambda k=k, u=u: out.__setitem__(k, _post(u, ids, n, **boot)))
-          for k, u in (("p", pd.prefill.url), ("d", pd.decode.url))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return out["p"], out["d"]
-
-
-def _idle(decode, bound: float = 15.0) -> dict[str, int]:
-    deadline = time.monotonic() + bound
-    while True:
-        body = requests.get(decode.url + "/v1/loads", timeout=10).json()
-        ld = (body["loads"] if isinstance(body, dict) else body)[0]
-        dis = ld.get("disaggregation") or {}
-        held = {"num_used_tokens": int(ld["num_used_tokens"]),
-                "prealloc": int(dis.get("decode_prealloc_queue_reqs", 0)),
-                "transfer": int(dis.get("decode_transfer_queue_reqs", 0))}
-        if not any(held.values()) or time.monotonic() > deadline:
-            return held
-
-
 def test_every_sample_is_reference_identical(pd, reference, oracle, model_path):
     rng = random.Random(f"parallel-sampling-{pd.backend}")
     for n in (2, 3):
@@ -84,9 +58,10 @@ def test_every_sample_is_reference_identical(pd, reference, oracle, model_path):
         assert all(s == oracle.expected(ids, MAX_NEW) for s in ref)
         got = _samples(*_post(pd.router.url, ids, n), n, f"{pd.backend} router n={n}")
         assert got == ref, f"{pd.backend} router n={n}: {got} != {ref}"
-        p, d = _direct(pd, ids, n, rng.randrange(1 << 62))
-        assert p[0] == 200, f"{pd.backend} prefill leg n={n}: {p}"
-        got = _samples(*d, n, f"{pd.backend} decode leg n={n}")
+        p, d = direct_pd_generate(pd, ids, MAX_NEW, room=rng.randrange(1 << 62),
+                                  sampling_params=_params(n))
+        assert p.status == 200, f"{pd.backend} prefill leg n={n}: {p}"
+        got = _samples(d.status, d.body, n, f"{pd.backend} decode leg n={n}")
         assert got == ref, f"{pd.backend} direct n={n}: {got} != {ref}"
 
 
@@ -112,7 +87,8 @@ def test_concurrent_parallel_and_normal_requests(pd, reference, oracle, model_pa
         else:
             got = _samples(*ans, n, f"{pd.backend} concurrent n={n}")
             assert got == ref, f"{pd.backend} concurrent n={n}: {got} != {ref}"
-    assert not any(_idle(pd.decode).values()), "the decode still holds pages or requests"
+    assert not any(decode_idle(pd.decode, 15.0).values()), \
+        "the decode still holds pages or requests"
     q = random_prompt(rng, 50, model_path)
     oracle.assert_identical(generate(pd.router.url, q, MAX_NEW), q, MAX_NEW,
                             what=f"{pd.backend} after parallel sampling")

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any
 
 import pytest
-import requests
 from pdsafe_testkit.backends import ci_backends
 from pdsafe_testkit.oracle import random_prompt
-from pdsafe_testkit.servers import SGLangServer, generate
+from pdsafe_testkit.servers import decode_idle, generate
 
 server = pytest.mark.server
 
@@ -38,24 +36,6 @@ TIMEOUT_S = 10.0
 SLACK_S = 15.0
 
 
-def _held(decode: SGLangServer) -> dict[str, int]:
-    body = requests.get(decode.url + "/v1/loads", timeout=10).json()
-    ld = (body["loads"] if isinstance(body, dict) else body)[0]
-    dis = ld.get("disaggregation") or {}
-    return {"num_used_tokens": int(ld["num_used_tokens"]),
-            "prealloc": int(dis.get("decode_prealloc_queue_reqs", 0)),
-            "transfer": int(dis.get("decode_transfer_queue_reqs", 0))}
-
-
-def _idle(decode: SGLangServer, bound: float) -> dict[str, Any]:
-    deadline = time.monotonic() + bound
-    while True:
-        held = _held(decode)
-        if not any(held.values()) or time.monotonic() > deadline:
-            return held
-        time.sleep(0.1)
-
-
 @server
 def test_a_request_sent_to_the_decode_alone_is_answered_and_released(pd, oracle, model_path):
     if pd.backend not in ci_backends():
@@ -63,7 +43,7 @@ def test_a_request_sent_to_the_decode_alone_is_answered_and_released(pd, oracle,
         # in test/unit/test_unclaimed_rooms.py (PDSAFE_FULL_BACKENDS=all runs this one too).
         pytest.skip(f"{pd.backend}: not in this run's backends (CI time)")
     rng = random.Random(2112)
-    assert not any(_idle(pd.decode, 10).values()), "the decode is not idle before the test"
+    assert not any(decode_idle(pd.decode, 10).values()), "the decode is not idle before the test"
     ids = random_prompt(rng, 80, model_path)
     room = rng.randrange(1 << 62)
     boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pd.prefill.bootstrap_port,
@@ -78,7 +58,7 @@ def test_a_request_sent_to_the_decode_alone_is_answered_and_released(pd, oracle,
     assert waited <= TIMEOUT_S + SLACK_S, f"answered only after {waited:.1f}s"
     assert "SGLANG_PDSAFE_UNCLAIMED_ROOM_TIMEOUT_S" in r.error_message, r.error_message
     assert not r.output_ids, "an error must carry no tokens"
-    held = _idle(pd.decode, 10)
+    held = decode_idle(pd.decode, 10)
     assert not any(held.values()), f"the decode still holds the reservation: {held}"
     assert pd.prefill.metric(DROPPED) >= dropped0 + 1, "the drop was not counted"
 

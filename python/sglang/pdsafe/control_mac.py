@@ -412,24 +412,26 @@ def _drop(kind: str, counter: str, why: str) -> None:
             f"; {suppressed} more since the last log" if suppressed else "")
 
 
+def _unguarded(msg: Sequence[Any]) -> list[Any]:
+    """A prefill-bound message without its MAC frame and NIXL's leading guard frame: the
+    frames upstream's parsers index (room first)."""
+    frames = list(split(msg)[0])
+    return frames[1:] if frames and bytes(frames[0]) == _NIXL_GUARD else frames
+
+
 def _room_of(kv_mgr: Any, msg: Sequence[Any], side: str) -> int | None:
     """The room a received message names (None: none, or unreadable)."""
     if side != "prefill":
         return _decode_bound_room(kv_mgr, msg)
-    frames = list(split(msg)[0])
-    if frames and bytes(frames[0]) == _NIXL_GUARD:
-        frames = frames[1:]
     try:
-        return int(bytes(frames[0]).decode("ascii"))
+        return int(bytes(_unguarded(msg)[0]).decode("ascii"))
     except (IndexError, ValueError, UnicodeDecodeError, TypeError):
         return None
 
 
 def _metadata_target(msg: Sequence[Any]) -> tuple[list[Any], int, str, int] | None:
     """(frames without NIXL's guard, room, decode endpoint, port) of transfer metadata."""
-    frames = list(split(msg)[0])
-    if frames and bytes(frames[0]) == _NIXL_GUARD:
-        frames = frames[1:]
+    frames = _unguarded(msg)
     try:
         return (frames, int(bytes(frames[0]).decode("ascii")),
                 bytes(frames[1]).decode("ascii"), int(bytes(frames[2]).decode("ascii")))
@@ -516,17 +518,13 @@ def verified(kv_mgr: Any, msg: list[Any]) -> list[Any] | None:
 def _replayed(kv_mgr: Any, body: Sequence[Any]) -> bool:
     """Signed metadata naming a generation its decode endpoint already replaced for the room:
     dropped and counted (True)."""
-    frames = list(body)
-    if frames and bytes(frames[0]) == _NIXL_GUARD:
-        frames = frames[1:]
+    target = _metadata_target(body)
+    if target is None:
+        return False  # upstream's parser refuses it
+    frames, room, endpoint, port = target
     generation = transfer_generation.frame_generation(frames)
     if generation is None or generation <= 0:
         return False
-    try:
-        room = int(bytes(frames[0]).decode("ascii"))
-        endpoint, port = bytes(frames[1]).decode("ascii"), int(bytes(frames[2]).decode("ascii"))
-    except (IndexError, ValueError, UnicodeDecodeError):
-        return False  # upstream's parser refuses it
     if not transfer_generation.retired(kv_mgr, room, endpoint, port, generation):
         return False
     _drop("transfer_info", REPLAYED, f"it names generation {generation} of room {room}, which "

@@ -705,6 +705,27 @@ def direct_pd_generate(stack: PDStack, input_ids: Sequence[int], max_new_tokens:
     return out["p"], out["d"]
 
 
+def decode_holds(decode: SGLangServer) -> dict[str, int]:
+    """What a decode server holds now (``/v1/loads``): used KV tokens and requests in its
+    prealloc and transfer queues (all zero: it holds nothing)."""
+    body = requests.get(decode.url + "/v1/loads", timeout=10).json()
+    ld = (body["loads"] if isinstance(body, dict) else body)[0]
+    dis = ld.get("disaggregation") or {}
+    return {"num_used_tokens": int(ld["num_used_tokens"]),
+            "prealloc": int(dis.get("decode_prealloc_queue_reqs", 0)),
+            "transfer": int(dis.get("decode_transfer_queue_reqs", 0))}
+
+
+def decode_idle(decode: SGLangServer, bound: float) -> dict[str, int]:
+    """:func:`decode_holds` once it is all zero, or after ``bound`` seconds (what it held)."""
+    deadline = time.monotonic() + bound
+    while True:
+        held = decode_holds(decode)
+        if not any(held.values()) or time.monotonic() > deadline:
+            return held
+        time.sleep(0.1)
+
+
 def new_log_dir(prefix: str = "pdsafe-") -> Path:
     base = os.environ.get("PDSAFE_LOG_DIR")
     if base:
