@@ -6,8 +6,9 @@ server test of the suite runs signed: their reference-identical answers are the 
 signing breaks nothing. Here the attacker reads the prefill rank's ZMQ address from the public
 ``GET /route`` and, while a request of room R is in flight, pushes what a decode would send to
 name R (an announcement of this wire version, a registration of its own transport identity and
-page addresses, metadata for R with a made-up generation), unsigned and signed with a key of its
-own. Every message is dropped and counted by type on the prefill, the request's answer is
+page addresses, metadata for R with a made-up generation, and ABORTs of R with and without a
+generation: without the key, one would fail R's live transfer), unsigned and signed with a key
+of its own. Every message is dropped and counted by type on the prefill, the request's answer is
 reference-identical on both legs, and the pair serves the next request.
 
 That the same frames work without the key (the prefill registers the attacker and adds it to
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.server
 
 MAX_NEW = 24
 PREFIX = "sglang:pdsafe_"
-KINDS = ("announce", "registration", "transfer_info")
+KINDS = ("announce", "registration", "transfer_info", "abort")
 
 
 def _dropped(pd, kind: str) -> float:

@@ -140,11 +140,24 @@ def test_upstreams_first_frames_are_the_ones_the_module_classifies_by() -> None:
     assert control_mac._AUX == MooncakeKVManager.AUX_DATA_HEADER
     assert control_mac._NIXL_GUARD == nixl.GUARD
     assert control_mac._ANNOUNCE == peer_capability.ANNOUNCE_TAG
-    assert common.ABORT_TAG in control_mac._UNSIGNED_TO_PREFILL
+    assert control_mac._ABORT == common.ABORT_TAG
+    assert control_mac._ABORT_ACK == common.ABORT_ACK_TAG
     assert control_mac.prefill_kind([nixl.GUARD, b"None", b"x"]) == "registration"
     assert control_mac.prefill_kind([nixl.GUARD, b"17", b"x"]) == "transfer_info"
     assert control_mac.prefill_kind([b"None", b"x"]) == "registration"
-    assert control_mac.prefill_kind([common.ABORT_TAG, b"17"]) == "other"
+    assert control_mac.prefill_kind([common.ABORT_TAG, b"17"]) == "abort"
+    assert control_mac.prefill_kind([b"BOOTSTRAP", b"17", b"h", b"1"]) == "bootstrap"
+    assert control_mac.decode_kind(common.AbortAck(17, 0, 5).to_zmq()) == "abort_ack"
+    # The staging messages, by the literals upstream's staging handler sends.
+    import inspect
+
+    from sglang.srt.disaggregation.common import staging_handler
+
+    source = inspect.getsource(staging_handler)
+    for tag in control_mac._STAGING:
+        assert b'b"' + tag + b'"' in source.encode(), tag
+        assert "staging" in (control_mac.prefill_kind([tag, b"1"]),
+                             control_mac.decode_kind([tag, b"1"]))
 
 
 def test_without_a_key_the_scheduler_warns_and_exports_it_and_can_be_made_to_refuse(
@@ -162,6 +175,21 @@ def test_without_a_key_the_scheduler_warns_and_exports_it_and_can_be_made_to_ref
     monkeypatch.setenv(control_mac.ENV_ENABLE, "0")
     with pytest.raises(control_mac.ClusterKeyError, match=control_mac.ENV_ENABLE):
         control_mac.rank_starting(SimpleNamespace(api_key=None))
+
+
+def test_a_keyed_server_refuses_to_start_with_unsigned_staging_on(monkeypatch) -> None:
+    """Staging's messages carry staging-buffer offsets and are not signed: a keyed server with
+    upstream's staging switch on refuses to start, naming both remedies; unsigned it starts."""
+    from sglang.srt.environ import envs
+
+    monkeypatch.setenv(control_mac.ENV_STAGING, "true")
+    assert envs.SGLANG_DISAGG_STAGING_BUFFER.get() is True, "the variable upstream reads"
+    monkeypatch.setenv(bootstrap_auth.ENV_TOKEN, KEY)
+    with pytest.raises(control_mac.ClusterKeyError, match=control_mac.ENV_STAGING) as e:
+        control_mac.rank_starting(SimpleNamespace(api_key=None))
+    assert control_mac.ENV_ENABLE in str(e.value)
+    monkeypatch.setenv(control_mac.ENV_ENABLE, "0")
+    assert control_mac.rank_starting(SimpleNamespace(api_key=None)) is False
 
 
 # =========================================================================== pairing
@@ -406,3 +434,111 @@ def test_unsigned_metadata_never_fails_a_live_room_whoever_sends_it(monkeypatch,
     prefill.receive(monkeypatch, rank)
     assert list(prefill.m.transfer_infos[room]) == [rank.kv.pdsafe_decode_identity()]
     assert prefill.m.request_status[room] == KVPoll.WaitingForInput
+
+
+# =========================================================================== ABORT / ABORT_ACK
+
+
+def _aborted(monkeypatch, backend: str):
+    """A decode rank (deferred release on) whose reservation of a room the prefill took, then
+    aborted: its deferred release armed with the generation g (test_abort_generation's
+    harness), the prefill sending through its real ``_send_multipart_locked``."""
+    from . import test_abort_generation as abg
+
+    room = tgt._room()
+    rank, dreq, prefill = abg._served(monkeypatch, backend, room)
+    _real_sends(prefill)
+    g = dreq.kv_receiver.pdsafe_transfer_generation()
+    dreq.kv_receiver.abort()
+    assert abg._armed(rank, room) == g
+    (abort,) = abg._aborts(rank)
+    return room, rank, prefill, g, abort
+
+
+@pytest.mark.parametrize("protected", [True, False], ids=["keyed", "no-key"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_forged_abort_ack_never_releases_pages_the_prefill_may_still_write(
+        monkeypatch, backend, protected) -> None:
+    """The decode aborted a transfer whose generation g went over the wire in clear; its pages
+    stay held until every prefill rank that could write them acknowledges the drain. The
+    attacker sends that ACK naming g, unsigned and signed with its own key, before the
+    prefill drained. Keyed: both dropped, counted, the pages still held; the prefill's own
+    (signed) ACK then releases them. Without a key (upstream's behaviour) the forgery makes
+    the release safe at once: the decode would hand pages to the next request while the
+    prefill may still write into them (the distributed use-after-free)."""
+    from sglang.srt.disaggregation.common.conn import AbortAck
+
+    _keyed(monkeypatch, KEY if protected else None)
+    room, rank, prefill, g, abort = _aborted(monkeypatch, backend)
+    assert _mac(abort[-1]) is protected, "the ABORT goes signed to a keyed prefill"
+    forged = AbortAck(room, tgt.PREFILL_RANK, g).to_zmq()
+    (other,) = control_mac._mac_keys((OTHER_KEY,))
+    before = _counts()
+    tgt._deliver(monkeypatch, rank.kv, [forged, control_mac.seal(other, control_mac.P2D, forged)])
+    if not protected:
+        assert rank.kv.is_abort_release_safe(room, 1), "upstream takes the forged ACK"
+        return
+    assert not rank.kv.is_abort_release_safe(room, 1)
+    assert _delta(before) == {control_mac.unauthenticated_counter("abort_ack"): 2}
+    prefill.m._stopped = False
+    cap._run_bootstrap_loop(monkeypatch, prefill.m, [abort])
+    assert prefill.m.request_status[room] == KVPoll.Failed
+    (ack,) = [p for p in prefill.take(rank) if p[0] == b"ABORT_ACK"]
+    assert _mac(ack[-1]) and ack[3] == str(g).encode(), "the drain ACK goes signed"
+    tgt._deliver(monkeypatch, rank.kv, [ack])
+    assert rank.kv.is_abort_release_safe(room, 1)
+    assert _delta(before) == {control_mac.unauthenticated_counter("abort_ack"): 2}
+
+
+@pytest.mark.parametrize("protected", [True, False], ids=["keyed", "no-key"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_forged_abort_neither_fails_a_live_transfer_nor_arms_an_ack(
+        monkeypatch, backend, protected) -> None:
+    """The attacker names a live room and its observed generation in an ABORT (its own
+    endpoint as the ACK target, so a drain ACK would tell it when the KV stops), unsigned and
+    signed with its own key. Keyed: both dropped and counted; the prefill's transfer goes on,
+    no ACK is sent anywhere. Without a key the first one fails the live request."""
+    from sglang.srt.disaggregation.common.conn import AbortNotification
+
+    from . import test_abort_generation as abg
+
+    _keyed(monkeypatch, KEY if protected else None)
+    room = tgt._room()
+    rank, dreq, prefill = abg._served(monkeypatch, backend, room)
+    _real_sends(prefill)
+    g = dreq.kv_receiver.pdsafe_transfer_generation()
+    forged = AbortNotification(room=room, decode_ip=tgt.HOST, decode_port=6666,
+                               generation=g).to_zmq()
+    (other,) = control_mac._mac_keys((OTHER_KEY,))
+    before = _counts()
+    prefill.m._stopped = False
+    cap._run_bootstrap_loop(monkeypatch, prefill.m,
+                            [forged, control_mac.seal(other, control_mac.D2P, forged)])
+    if not protected:
+        assert prefill.m.request_status[room] == KVPoll.Failed, "upstream takes the forgery"
+        return
+    assert prefill.m.request_status[room] == KVPoll.WaitingForInput
+    assert prefill.sent == []
+    assert _delta(before) == {control_mac.unauthenticated_counter("abort"): 2}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_keyed_decode_drops_unsigned_staging_and_takes_a_stock_prefills_unsigned_ack(
+        monkeypatch, backend) -> None:
+    """An unsigned staging message at a keyed decode is nobody's (a keyed server runs no
+    staging): dropped. An unsigned ABORT_ACK of a room whose metadata carried no transfer
+    generation (a stock prefill's, under the operator's waiver) is upstream's to handle; one
+    naming no generation (upstream's feature-off format) is not counted either."""
+    from sglang.srt.disaggregation.common.conn import ABORT_ACK_TAG
+
+    _keyed(monkeypatch)
+    rank = tgt._Rank(monkeypatch, backend)
+    before = _counts()
+    staging = [b"STAGING_REQ", b"1", b"0", b"0", b"0"]
+    assert rank.kv.pdsafe_verified_message(staging) is None
+    stranger = tgt._room()  # no metadata of this room went to any prefill
+    ack = [ABORT_ACK_TAG, str(stranger).encode(), b"0", b"77"]
+    assert rank.kv.pdsafe_verified_message(ack) == ack
+    legacy = [ABORT_ACK_TAG, str(stranger).encode()]
+    assert rank.kv.pdsafe_verified_message(legacy) == legacy
+    assert _delta(before) == {control_mac.unauthenticated_counter("staging"): 1}

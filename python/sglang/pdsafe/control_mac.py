@@ -31,11 +31,13 @@ operator's waiver never sees the frame, which its parsers would misread as an op
 
 * decode -> prefill, every message through upstream's ``_send_bootstrap_message``: the
   capability announcement, the KV-args registration (the page base addresses the prefill writes
-  to) and the transfer metadata (room, page ids, metadata slot, generation), to a prefill that
-  published this wire version (:func:`sealed_for_prefill`);
+  to) and the transfer metadata (room, page ids, metadata slot, generation), and the two it
+  sends on the bootstrap socket directly: the receiver's ABORT and the deferred-bootstrap
+  BOOTSTRAP; to a prefill that published this wire version (:func:`sealed_for_prefill`);
 * prefill -> decode, every message that carries the transfer generation (KV status: bootstrap
   readiness, Success, Failed, peer-release and refusal notices; Mooncake TCP aux data; staging
-  CHUNK_READY), signed in upstream's ``_send_multipart_locked`` (:func:`sealed`): the
+  CHUNK_READY) and every drain ABORT_ACK that echoes a generation a decode of this release sent
+  for the room, signed in upstream's ``_send_multipart_locked`` (:func:`sealed`): the
   generation frame goes only to decodes of this wire version.
 
 Checked (each backend's control thread, first thing after the receive, :func:`verified`):
@@ -46,7 +48,15 @@ Checked (each backend's control thread, first thing after the receive, :func:`ve
 * a keyed decode drops an unsigned message that carries a transfer generation (only a peer of
   this release sends one, and it signs); unsigned messages without one go on to the transfer
   generation's checks, which drop any of them for a room whose generation was sent;
-* a keyed prefill drops an unsigned announcement, registration or transfer metadata, unless
+* a keyed decode drops an unsigned ABORT_ACK that names a generation for a room whose metadata
+  carried a transfer generation (its prefill is of this release and signs its ACKs): a forged
+  ACK echoing a generation seen on the wire would make the decode's deferred release free pages
+  that the prefill may still write (the distributed use-after-free);
+* a keyed leg drops every unsigned staging message (WATERMARK, STAGING_REQ, STAGING_RSP: they
+  carry staging offsets, and this release does not sign them, so a keyed server refuses to
+  start with ``SGLANG_DISAGG_STAGING_BUFFER`` on: :func:`rank_starting`);
+* a keyed prefill drops an unsigned announcement, registration, transfer metadata, ABORT or
+  BOOTSTRAP, unless
   its operator waived the decode protections for stock decodes
   (``SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS=decode-protections``: a stock decode cannot sign; the
   waiver is what lets it in, and everyone who can reach the port with it). Nothing unsigned
@@ -69,10 +79,11 @@ Failure policy: a MAC check that cannot run drops the message (the room it names
 its request gets an explicit error instead of a timeout); a MAC that cannot be computed sends
 the message unsigned, which the keyed peer drops, and fails the room here.
 
-What it does not sign (yet): ABORT and ABORT_ACK (they name the transfer generation; a forged
-ABORT can only fail a transfer, never redirect one), the deferred-bootstrap BOOTSTRAP message
-and the staging WATERMARK / STAGING_REQ / STAGING_RSP messages. A captured registration can be
-replayed after its decode restarted at the same address (it carries no freshness of its own).
+What it does not sign (yet): the staging WATERMARK / STAGING_REQ / STAGING_RSP messages (a
+keyed server refuses to start with staging on, and drops them unsigned); an ABORT_ACK without
+a generation (upstream's feature-off format, which upstream's decode ignores). A captured
+registration can be replayed after its decode restarted at the same address (it carries no
+freshness of its own).
 The key ids are public (``GET /route``): a weak cluster key can be brute-forced offline from
 them; use a random key of at least 32 bytes.
 """
@@ -111,11 +122,17 @@ ENV_REQUIRE = "SGLANG_PDSAFE_REQUIRE_CLUSTER_KEY"
 GAUGE = "control_messages_unsigned"
 FAILED = "control_mac_failed_total"
 REPLAYED = "replayed_transfer_info_dropped_total"
-#: Message types, by direction (the counter of each: ``unauthenticated_<type>_dropped_total``).
-DECODE_KINDS = ("kv_status", "aux_data", "chunk_ready")
-PREFILL_KINDS = ("announce", "registration", "transfer_info", "other")
-#: Prefill messages that a keyed prefill accepts only signed (the rest are not signed yet).
-MUST_SIGN_TO_PREFILL = frozenset({"announce", "registration", "transfer_info"})
+#: Message types, by direction (the counter of each: ``unauthenticated_<type>_dropped_total``;
+#: ``staging`` arrives at both).
+DECODE_KINDS = ("kv_status", "aux_data", "chunk_ready", "abort_ack", "staging")
+PREFILL_KINDS = ("announce", "registration", "transfer_info", "abort", "bootstrap", "staging",
+                 "other")
+#: Prefill messages that a keyed prefill accepts only signed (``staging`` is never signed: a
+#: keyed server does not run staging, so an unsigned one is nobody's).
+MUST_SIGN_TO_PREFILL = frozenset({"announce", "registration", "transfer_info", "abort",
+                                  "bootstrap", "staging"})
+#: Upstream's switch of the staging transfer mode (its messages are not signed).
+ENV_STAGING = "SGLANG_DISAGG_STAGING_BUFFER"
 D2P = b"d2p"
 P2D = b"p2d"
 #: The published value of a leg that does not sign.
@@ -132,7 +149,10 @@ _AUX = b"AUX_DATA"
 _CHUNK_READY = b"CHUNK_READY"
 _NIXL_GUARD = b"NixlMsgGuard"
 _ANNOUNCE = b"PDSAFE_PEER"
-_UNSIGNED_TO_PREFILL = frozenset({b"ABORT", b"WATERMARK", b"STAGING_RSP", b"BOOTSTRAP"})
+_ABORT = b"ABORT"
+_ABORT_ACK = b"ABORT_ACK"
+_BOOTSTRAP = b"BOOTSTRAP"
+_STAGING = frozenset({b"WATERMARK", b"STAGING_RSP", b"STAGING_REQ"})
 _LOG = {kind: LogLimit(10.0) for kind in DECODE_KINDS + PREFILL_KINDS + ("replayed",)}
 
 _KV_MANAGER = "sglang.srt.disaggregation.common.conn.CommonKVManager"
@@ -162,6 +182,10 @@ UNAUTHENTICATED = {
     "kv_status": "unauthenticated_kv_status_dropped_total",
     "aux_data": "unauthenticated_aux_data_dropped_total",
     "chunk_ready": "unauthenticated_chunk_ready_dropped_total",
+    "abort_ack": "unauthenticated_abort_ack_dropped_total",
+    "staging": "unauthenticated_staging_dropped_total",
+    "abort": "unauthenticated_abort_dropped_total",
+    "bootstrap": "unauthenticated_bootstrap_dropped_total",
     "announce": "unauthenticated_announce_dropped_total",
     "registration": "unauthenticated_registration_dropped_total",
     "transfer_info": "unauthenticated_transfer_info_dropped_total",
@@ -179,8 +203,12 @@ def enabled() -> bool:
     return switch_on(ENV_ENABLE)
 
 
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "on", "yes", "y")
+
+
 def _required() -> bool:
-    return os.environ.get(ENV_REQUIRE, "").strip().lower() in ("1", "true", "on", "yes")
+    return _truthy(ENV_REQUIRE)
 
 
 @functools.lru_cache(maxsize=8)
@@ -283,6 +311,15 @@ def rank_starting(server_args: Any) -> bool:
     gauge, or :class:`ClusterKeyError` under :data:`ENV_REQUIRE`."""
     _process_server_args[:] = [server_args]
     signing = bool(keys(server_args))
+    if signing and _truthy(ENV_STAGING):
+        raise ClusterKeyError(
+            f"pdsafe: {ENV_STAGING} is on and this server signs its PD control messages (a "
+            f"cluster key is configured), but the staging messages (WATERMARK, STAGING_REQ, "
+            f"STAGING_RSP: they carry staging-buffer offsets) are not signed in this release, "
+            f"so a keyed peer drops them. Turn staging off (it serves only pairs whose "
+            f"attention TP sizes differ, which the KV digest refuses at pairing anyway), or "
+            f"run unsigned with {ENV_ENABLE}=0 (every control message is then forgeable by "
+            f"anyone who can reach the ports).")
     if not signing and _required():
         raise ClusterKeyError(
             f"pdsafe: {ENV_REQUIRE}=1 but no cluster key is configured"
@@ -306,6 +343,16 @@ def rank_starting(server_args: Any) -> bool:
 # --------------------------------------------------------------------------- signing
 
 _failing = threading.local()
+
+
+def _abort_ack_generation(frames: Sequence[Any]) -> tuple[int, int] | None:
+    """(room, generation) of an upstream ABORT_ACK that names a generation, else None."""
+    if len(frames) < 4 or bytes(frames[0]) != _ABORT_ACK:
+        return None
+    try:
+        return int(bytes(frames[1]).decode("ascii")), int(bytes(frames[3]).decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def _decode_bound_room(kv_mgr: Any, parts: Sequence[Any]) -> int | None:
@@ -342,11 +389,17 @@ def _seal_failed(failure: policy.Failure) -> list[Any]:
              "(500), the decode told")
 def sealed(kv_mgr: Any, parts: list[Any]) -> list[Any]:
     """Prefill, every message sent to a decode's control port (upstream's
-    ``_send_multipart_locked``): signed when it carries a transfer generation (only decodes of
-    this wire version get one) and this leg has a key; otherwise unchanged."""
+    ``_send_multipart_locked``): signed when this leg has a key and the message carries a
+    transfer generation (only decodes of this wire version get one) or is a drain ABORT_ACK
+    echoing a generation a decode of this release sent for the room; otherwise unchanged (a
+    stock decode's parsers would misread the frame)."""
     ks = _keys_of(kv_mgr)
-    if not ks or transfer_generation.frame_generation(parts) is None:
+    if not ks:
         return parts
+    if transfer_generation.frame_generation(parts) is None:
+        ack = _abort_ack_generation(parts)
+        if ack is None or not transfer_generation.known_generation(kv_mgr, *ack):
+            return parts
     return seal(ks[0], P2D, parts)
 
 
@@ -366,9 +419,10 @@ def _seal_for_prefill_failed(failure: policy.Failure) -> list[Any]:
 def sealed_for_prefill(kv_mgr: Any, room: Any, bootstrap_addr: str,
                        message: list[Any]) -> list[Any]:
     """Decode, every message to a prefill's bootstrap socket (upstream's
-    ``_send_bootstrap_message``: announcement, registration, metadata; ``room``: the receiver
-    sending it): signed when that prefill published this wire version and this leg has a key;
-    otherwise unchanged (a stock prefill under the waiver)."""
+    ``_send_bootstrap_message``: announcement, registration, metadata; and the receiver's
+    ABORT and deferred BOOTSTRAP; ``room``: the receiver sending it): signed when that
+    prefill published this wire version and this leg has a key; otherwise unchanged (a
+    stock prefill under the waiver)."""
     ks = _keys_of(kv_mgr)
     if not ks or not kv_mgr.pdsafe_transfer_generation_wired:
         return message  # MORI: its prefill does not check (nor expect) the frame
@@ -383,8 +437,9 @@ def sealed_for_prefill(kv_mgr: Any, room: Any, bootstrap_addr: str,
 def decode_kind(msg: Sequence[Any]) -> str:
     """The type of a message arriving at a decode's control port."""
     first = bytes(msg[0]) if msg else b""
-    return "aux_data" if first == _AUX else "chunk_ready" if first == _CHUNK_READY else \
-        "kv_status"
+    return ("aux_data" if first == _AUX else "chunk_ready" if first == _CHUNK_READY else
+            "abort_ack" if first == _ABORT_ACK else "staging" if first in _STAGING else
+            "kv_status")
 
 
 def prefill_kind(msg: Sequence[Any]) -> str:
@@ -394,8 +449,12 @@ def prefill_kind(msg: Sequence[Any]) -> str:
         return "other"
     if frames[0] == _ANNOUNCE:
         return "announce"
-    if frames[0] in _UNSIGNED_TO_PREFILL:
-        return "other"
+    if frames[0] == _ABORT:
+        return "abort"
+    if frames[0] == _BOOTSTRAP:
+        return "bootstrap"
+    if frames[0] in _STAGING:
+        return "staging"
     room = frames[1] if frames[0] == _NIXL_GUARD and len(frames) > 1 else frames[0]
     return "registration" if room == b"None" else "transfer_info"
 
@@ -508,9 +567,19 @@ def verified(kv_mgr: Any, msg: list[Any]) -> list[Any] | None:
                                  "a sender without the cluster key is never heard)")
             return None
         return body
+    if kind == "staging":
+        _drop(kind, counter, "staging messages are not signed in this release and a keyed "
+                             "server runs no staging")
+        return None
     if transfer_generation.frame_generation(body) is not None:
         _drop(kind, counter, "it carries a transfer generation but no MAC (a prefill of this "
                              "release signs every such message)")
+        return None
+    ack = _abort_ack_generation(body) if kind == "abort_ack" else None
+    if ack is not None and transfer_generation.sent_generation(kv_mgr, ack[0]) is not None:
+        _drop(kind, counter, f"it acknowledges room {ack[0]} unsigned, whose prefill is of "
+                             "this release and signs its ACKs (a forged ACK would release "
+                             "pages its prefill may still write)")
         return None
     return body
 

@@ -66,6 +66,17 @@ COUNTERS: dict[str, str] = {
         "unsigned; no KV is written for it and no room state changes.",
     "unauthenticated_other_dropped_total":
         "Other messages at a prefill's bootstrap socket dropped for a MAC that did not verify.",
+    "unauthenticated_abort_dropped_total":
+        "Decode ABORTs a keyed prefill dropped: bad MAC or unsigned; the room's transfer is "
+        "not failed by it and no drain ACK is armed.",
+    "unauthenticated_bootstrap_dropped_total":
+        "Deferred-bootstrap BOOTSTRAP messages a keyed prefill dropped: bad MAC or unsigned.",
+    "unauthenticated_abort_ack_dropped_total":
+        "ABORT_ACKs a keyed decode dropped: bad MAC, or unsigned for a room whose prefill "
+        "signs; no deferred release is advanced by them.",
+    "unauthenticated_staging_dropped_total":
+        "Staging messages (WATERMARK, STAGING_REQ, STAGING_RSP) a keyed leg dropped: this "
+        "release does not sign them and a keyed server runs no staging.",
     "replayed_transfer_info_dropped_total":
         "Signed decode metadata a prefill dropped because it names a generation the same "
         "decode endpoint already replaced for the room (a replay of an earlier reservation).",

@@ -601,6 +601,27 @@ def retired(kv_mgr: Any, room: int, endpoint: Any, port: Any, generation: int) -
             (_text(endpoint), int(port))) != int(generation)
 
 
+def known_generation(kv_mgr: Any, room: int, generation: int) -> bool:
+    """Prefill: whether some decode endpoint sent ``generation`` for ``room`` (with its current
+    metadata, or with metadata a later one replaced): that decode is of this release (only one
+    sends a transfer generation), so a message echoing it may carry this release's frames."""
+    state = _prefill_rooms(kv_mgr)
+    with state.lock:
+        if int(generation) in (state.rooms.get(int(room)) or {}).values():
+            return True
+        return any(int(generation) in gens
+                   for gens in (state.retired.get(int(room)) or {}).values())
+
+
+def sent_generation(kv_mgr: Any, room: int) -> int | None:
+    """Decode: the transfer generation the room's latest metadata carried to its prefill (only
+    a prefill of this release gets one), kept past the receiver's release like
+    :func:`abort_generation`; None when it carried none."""
+    table = _decode_table(kv_mgr)
+    with transfer.leg(kv_mgr).lock:
+        return table.last_sent.get(int(room))
+
+
 def target_generation(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> int | None:
     """Prefill: the generation ``endpoint:port`` sent with its current metadata for ``room``
     (None: it sent none, or this prefill holds no metadata of it)."""

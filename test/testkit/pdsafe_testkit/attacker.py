@@ -61,8 +61,13 @@ class Attacker:
         self.manager = _manager(backend, self.identity, 6666)
 
     def frames(self, room: int, generation: int) -> list[list[bytes]]:
-        """Announcement, registration and metadata naming ``room`` (unsigned)."""
+        """Announcement, registration, metadata and two ABORTs (one naming ``generation``, one
+        in the generation-less format of an earlier decode) naming ``room`` (unsigned)."""
+        from sglang.srt.disaggregation.common.conn import AbortNotification
+
         m = self.manager
+        aborts = [list(AbortNotification(room=room, decode_ip=m.local_ip, decode_port=m.rank_port,
+                                         generation=g).to_zmq()) for g in (generation, None)]
         return [
             [ANNOUNCE_TAG, self.wire_version.encode(), self.identity.encode()],
             list(m.build_receiver_registration_message()),
@@ -71,7 +76,7 @@ class Attacker:
                 kv_indices=np.arange(8, dtype=np.int32), aux_index=0, state_indices=None,
                 decode_prefix_len=None, is_dummy=False))
             + [b"PDSAFE_GEN1:" + str(generation).encode()],
-        ]
+        ] + aborts
 
     @staticmethod
     def signed_with_own_key(frames: list[list[bytes]], key: str) -> list[list[bytes]]:
