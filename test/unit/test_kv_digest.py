@@ -139,6 +139,57 @@ def case_mha(page_size: int = 16, dtype: torch.dtype = torch.bfloat16, heads: in
                 regions, out_regions, trials=trials)
 
 
+def _vectorized_5d_pool(page_size: int = 16, heads: int = 2, head_dim: int = 32,
+                        size: int = 512) -> Any:
+    """A real ``MHATokenToKVPool`` in ROCm AITER's ``vectorized_5d`` layout, built on the CPU
+    by upstream's own constructor (only its platform flag is set for the build: the layout
+    needs AITER's kernels to be *written*, not to be laid out)."""
+    import os
+
+    old_env, old_flag = os.environ.get("SGLANG_AITER_KV_CACHE_LAYOUT"), mp._use_aiter
+    os.environ["SGLANG_AITER_KV_CACHE_LAYOUT"] = "vectorized_5d"
+    mp._use_aiter = True
+    try:
+        pool = mp.MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.bfloat16,
+                                   head_num=heads, head_dim=head_dim, layer_num=2,
+                                   enable_alt_stream=False, **CPU)
+    finally:
+        mp._use_aiter = old_flag
+        if old_env is None:
+            os.environ.pop("SGLANG_AITER_KV_CACHE_LAYOUT", None)
+        else:
+            os.environ["SGLANG_AITER_KV_CACHE_LAYOUT"] = old_env
+    assert pool.kv_cache_layout == "vectorized_5d" and pool.k_buffer[0].dim() == 5
+    return pool
+
+
+def _v5d_slot_regions(pool: Any, slots: list[int]) -> list[Region]:
+    """The bytes of each slot in upstream's documented vectorized_5d shapes: K
+    ``(pages, H, Dk // X, page, X)`` at ``[p, :, :, o, :]``; V ``(pages, H, page // X, Dv, X)``
+    at ``[p, :, o // X, :, o % X]`` (element ``o % X`` of the last dim is ``esize`` bytes)."""
+    page = int(pool.page_size)
+    out: list[Region] = []
+    for li, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
+        x, es = int(v.shape[-1]), v.element_size()
+        for s in slots:
+            p, o = divmod(s, page)
+            out.append((f"k5d[{li}][{s}]", _u8(k)[p, :, :, o, :]))
+            out.append((f"v5d[{li}][{s}]",
+                        _u8(v)[p, :, o // x, :, (o % x) * es:(o % x + 1) * es]))
+    return out
+
+
+def case_vectorized_5d() -> Case:
+    pool = _vectorized_5d_pool()
+    _randomize(list(pool.k_buffer) + list(pool.v_buffer), seed=5)
+    row = _locs([5, 2, 9], 16, 37)
+    other = _locs([10, 11], 16, 19)
+    owned, outside = _split(row, 0, 37, 16, other)
+    _tail_nonempty(owned, 16)
+    return Case("mha-vectorized_5d-p16", pool, row, 0, 37, _v5d_slot_regions(pool, owned),
+                _v5d_slot_regions(pool, outside), trials=120)
+
+
 def case_konly() -> Case:
     pool = mp.MHATokenToKOnlyPool(size=256, page_size=16, dtype=torch.bfloat16, head_num=2,
                                   head_dim=16, layer_num=2, **CPU)
@@ -261,6 +312,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "mha-mxfp8-interleaved": lambda: case_mha(128, torch.bfloat16, head_dim=32, size=512,
                                               pages=(2, 1), tokens=128 + 45,
                                               cls=mp.MHATokenToKVPoolMXFP8, trials=60),
+    "mha-vectorized_5d": case_vectorized_5d,
     "konly": case_konly,
     "mla": case_mla,
     "mla-fp4": lambda: case_mla(mp.MLATokenToKVPoolFP4),
@@ -475,6 +527,61 @@ def test_scrub_refuses_a_layout_it_cannot_address_before_writing_anything() -> N
         kd.scrub_request(broken, torch.arange(1, 9), prefix=0, length=8)
     assert torch.equal(pool.k_buffer[0].view(torch.uint8), snapshot.view(torch.uint8)), \
         "nothing is written before the refusal"
+
+
+def test_vectorized_5d_digests_each_token_like_its_nhd_row() -> None:
+    """The same logical KV in an NHD pool and in a vectorized_5d pool (copied slot by slot
+    through upstream's documented shapes, not through the digest's own indexing) has the same
+    digest and signature: the digest reads each token's (H, D) row whatever the layout."""
+    v5d = _vectorized_5d_pool()
+    nhd = mp.MHATokenToKVPool(size=512, page_size=16, dtype=torch.bfloat16, head_num=2,
+                              head_dim=32, layer_num=2, enable_alt_stream=False, **CPU)
+    _randomize(list(nhd.k_buffer) + list(nhd.v_buffer), seed=21)
+    _randomize(list(v5d.k_buffer) + list(v5d.v_buffer), seed=22)  # nothing shared by chance
+    row = _locs([4, 7, 1], 16, 40)
+    x = int(v5d.v_buffer[0].shape[-1])
+    for k5, v5, kn, vn in zip(v5d.k_buffer, v5d.v_buffer, nhd.k_buffer, nhd.v_buffer,
+                              strict=True):
+        for s in (int(i) for i in row):
+            p, o = divmod(s, 16)
+            for h in range(2):
+                for d in range(32):
+                    k5[p, h, d // x, o, d % x] = kn[s, h, d]
+                    v5[p, h, o // x, d, o % x] = vn[s, h, d]
+    a = kd.digest_request(nhd, row, prefix=0, length=40, room=ROOM, generation=3)
+    b = kd.digest_request(v5d, row, prefix=0, length=40, room=ROOM, generation=3)
+    assert a == b and kd.verify(a, b).ok
+    # one element of one token differs: the layouts' digests differ too
+    s = int(row[17])
+    v5d.v_buffer[1][s // 16, 1, (s % 16) // x, 5, (s % 16) % x] += 1
+    assert kd.digest_request(v5d, row, prefix=0, length=40, room=ROOM, generation=3) != a
+
+
+def test_vectorized_5d_scrub_zeroes_exactly_the_owned_tokens() -> None:
+    pool = _vectorized_5d_pool()
+    _randomize(list(pool.k_buffer) + list(pool.v_buffer), seed=8)
+    row = _locs([3, 6], 16, 25)
+    owned = _v5d_slot_regions(pool, [int(i) for i in row[4:25]])
+    kept = _v5d_slot_regions(pool, [int(i) for i in row[:4]] + list(range(6 * 16 + 9, 7 * 16)))
+    before = [r.clone() for _, r in kept]
+    assert kd.scrub_request(pool, row, prefix=4, length=25) == 21 * 4
+    assert all(not bool(r.any()) for _, r in owned)
+    assert all(torch.equal(r, b) for (_, r), b in zip(kept, before, strict=True))
+
+
+def test_hnd_is_refused_because_upstream_pd_does_not_transfer_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """HND (``SGLANG_USE_HND_KVCACHE``) cannot be checked because upstream's PD transfer does
+    not serve it: the real pool's ``get_contiguous_buf_infos`` (what PD registers) refuses, and
+    the digest refuses with that reason rather than digesting a layout nobody transfers."""
+    monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
+    pool = mp.MHATokenToKVPool(size=240, page_size=16, dtype=torch.bfloat16, head_num=2,
+                               head_dim=16, layer_num=1, enable_alt_stream=False, **CPU)
+    assert pool.kv_cache_layout == "hnd" and pool.k_buffer[0].dim() == 4
+    with pytest.raises(AssertionError, match="not supported with disagg"):
+        pool.get_contiguous_buf_infos()
+    with pytest.raises(kd.UnsupportedLayout, match="HND layout.*does not serve it"):
+        kd.prepare(pool)
 
 
 # --------------------------------------------------------------------------- bindings

@@ -274,8 +274,10 @@ def _row_component(name: str, layer: int, space: Space, t: torch.Tensor) -> Comp
 
 def _custom_component(name: str, layer: int, space: Space, base: torch.Tensor,
                       row_shape: tuple[int, ...], slots: int,
-                      pick: Callable[[torch.Tensor], torch.Tensor]) -> Component:
-    """A buffer whose rows need index arithmetic: ``pick(idx)`` returns ``[n, *row_shape]``."""
+                      pick: Callable[[torch.Tensor], torch.Tensor],
+                      clear: Callable[[torch.Tensor], None] | None = None) -> Component:
+    """A buffer whose rows need index arithmetic: ``pick(idx)`` returns ``[n, *row_shape]``
+    (``clear(idx)``, where given, zeroes the same rows)."""
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * base.element_size()
     device = base.device
 
@@ -283,8 +285,49 @@ def _custom_component(name: str, layer: int, space: Space, base: torch.Tensor,
         g = pick(idx.to(device)).contiguous()
         return g.view(torch.uint8).reshape(int(idx.numel()), row_bytes)
 
+    wipe = None if clear is None else (lambda idx: clear(idx.to(device)))
     return Component(name, layer, space, _dtype_name(base), row_shape, row_bytes, slots, gather,
-                     None, base.data_ptr(), device)
+                     None, base.data_ptr(), device, wipe)
+
+
+def _vectorized_5d_components(pool: Any, prefix: str, space: Space,
+                              layer_ids: list[int]) -> list[Component]:
+    """ROCm AITER's ``vectorized_5d`` MHA layout (upstream's ``_create_buffers_normal``):
+    K ``(pages, H, Dk // X, page, X)``, V ``(pages, H, page // X, Dv, X)``, ``X`` elements per
+    16-byte vector. The row of token slot ``s`` (page ``s // page``, offset ``o = s % page``)
+    is K ``[p, :, :, o, :]`` and V ``[p, :, o // X, :, o % X]``, both read as ``(H, D)`` in
+    head-dim order: the same bytes, order and row shape as the NHD row of the same token, so
+    the digest of a request does not depend on which of the two layouts holds it (a pair whose
+    legs differ in layout is refused by the digest: the transfer copies pages verbatim)."""
+    page = int(pool.page_size)
+    x = int(pool.k_buffer[0].shape[-1])  # X is the buffers' last dim (V's too)
+    out: list[Component] = []
+    for lid, buf in zip(layer_ids, pool.k_buffer, strict=True):
+        heads, dk = int(buf.shape[1]), int(buf.shape[2]) * x
+
+        def pick_k(idx: torch.Tensor, buf: torch.Tensor = buf, h: int = heads,
+                   d: int = dk) -> torch.Tensor:
+            return buf[idx // page, :, :, idx % page, :].reshape(-1, h, d)
+
+        def clear_k(idx: torch.Tensor, buf: torch.Tensor = buf) -> None:
+            buf[idx // page, :, :, idx % page, :] = 0
+
+        out.append(_custom_component(prefix + "k", lid, space, buf, (heads, dk),
+                                     int(buf.shape[0]) * page, pick_k, clear_k))
+    for lid, buf in zip(layer_ids, pool.v_buffer, strict=True):
+        heads, dv = int(buf.shape[1]), int(buf.shape[3])
+
+        def pick_v(idx: torch.Tensor, buf: torch.Tensor = buf) -> torch.Tensor:
+            o = idx % page
+            return buf[idx // page, :, o // x, :, o % x]
+
+        def clear_v(idx: torch.Tensor, buf: torch.Tensor = buf) -> None:
+            o = idx % page
+            buf[idx // page, :, o // x, :, o % x] = 0
+
+        out.append(_custom_component(prefix + "v", lid, space, buf, (heads, dv),
+                                     int(buf.shape[0]) * page, pick_v, clear_v))
+    return out
 
 
 def _layer_ids(pool: Any) -> list[int]:
@@ -298,13 +341,27 @@ def _layer_ids(pool: Any) -> list[int]:
 def _mha_components(pool: Any, prefix: str, space: Space, layer_ids: list[int]) -> list[Component]:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
 
-    if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", "nhd") != "nhd":
+    layout = "hnd" if getattr(pool, "use_hnd", False) else getattr(pool, "kv_cache_layout",
+                                                                       "nhd")
+    if layout == "hnd":
         raise UnsupportedLayout(
-            f"{type(pool).__name__} with layout {getattr(pool, 'kv_cache_layout', '?')!r}: only "
-            "the NHD slot-row layout is digested (PD transfer supports only NHD as well)")
+            f"{type(pool).__name__} with the HND layout (SGLANG_USE_HND_KVCACHE): upstream "
+            "0.5.23's PD transfer does not serve it (its get_contiguous_buf_infos asserts the "
+            "NHD slot-row layout), so there is no transfer to check; unset "
+            "SGLANG_USE_HND_KVCACHE on PD servers")
+    if layout not in ("nhd", "vectorized_5d"):
+        raise UnsupportedLayout(
+            f"{type(pool).__name__} with layout {layout!r}: only the NHD slot-row and the "
+            "AITER vectorized_5d layouts are digested")
     for attr in ("native_k_scale_buffer", "native_v_scale_buffer"):
         if getattr(pool, attr, None) is not None:
             raise UnsupportedLayout(f"{type(pool).__name__}.{attr}: layout not digested yet")
+    if layout == "vectorized_5d":
+        if getattr(pool, "k_scale_buffer", None) is not None:
+            raise UnsupportedLayout(
+                f"{type(pool).__name__} with the vectorized_5d layout and per-token scale "
+                "buffers: layout not digested yet")
+        return _vectorized_5d_components(pool, prefix, space, layer_ids)
     out: list[Component] = []
     for name in ("k", "v"):
         for lid, buf in zip(layer_ids, getattr(pool, f"{name}_buffer"), strict=True):

@@ -51,7 +51,8 @@ CLASSES: dict[str, str] = {
     "mem_cache.swa_memory_pool:SWAKVPool": "swa",
     "mem_cache.memory_pool:HybridLinearKVPool": "hybrid-linear",
     "mem_cache.memory_pool:PageMajorMHATokenToKVPool":
-        "refused: the page-major (HND) MHA layout is not digested yet",
+        "refused: upstream 0.5.23 cannot build it (its _create_buffers raises; ServerArgs "
+        "rejects the page-major layout) nor transfer it (get_contiguous_buf_infos raises)",
     "mem_cache.memory_pool:NoOpMHATokenToKVPool":
         "refused: a no-op pool holds no KV, so there is nothing a PD transfer could carry",
     "mem_cache.memory_pool:MiniMaxSparseKVPool": f"refused: {_MINIMAX}",
