@@ -20,7 +20,9 @@ Steps, all timed against a budget of about 2 minutes on an H200:
 3. **As the digest runs it**: 64 MiB launches (``kv_digest.DEVICE_BATCH_BYTES``) through the
    public ``xxh3_128_leaves`` (plan, launch, digests back to the host as bytes), and the same
    with a page gather first (``index_select`` of 2 KiB rows on shuffled 16-slot pages into
-   the launch buffer, as ``kv_digest``'s device path does), for the best kernel candidate.
+   the launch buffer, as ``kv_digest``'s device path does), for the best kernel candidate;
+   and the same token rows read out of AITER's ``vectorized_5d`` page blocks (the covered
+   layout whose rows are strided within a page).
 
 Output: a markdown table on stdout and, with ``--out DIR``, ``kv_digest_gpu.md`` and ``.json``.
 """
@@ -167,6 +169,25 @@ def bench(dev: torch.device, tiny: bool, reps: int) -> list[dict[str, Any]]:
 
     row("gather (page 16) + xxh3_128_leaves", cfg, n_rows * row_bytes,
         _time(gather_hash, dev, reps))
+
+    # The same 2 KiB token rows out of AITER's vectorized_5d K blocks (pages, H=8, D/X=16,
+    # page=16, X=8; bf16): each token's (H, D) row is strided through its page block, read
+    # with the index arithmetic kv_digest._vectorized_5d_components uses.
+    heads, x = 8, 8
+    dx = row_bytes // 2 // heads // x
+    blocks5 = pool.reshape(-1).view(torch.bfloat16)
+    n_pages = blocks5.numel() // (heads * dx * page * x)
+    blocks5 = blocks5[: n_pages * heads * dx * page * x].view(n_pages, heads, dx, page, x)
+    out5 = out
+
+    def gather_5d_hash() -> list[bytes]:
+        rows5 = blocks5[idx // page, :, :, idx % page, :]  # [n, H, D/X, X]
+        out5.copy_(rows5.reshape(n_rows, -1).view(torch.uint8))
+        return kdt.xxh3_128_leaves(out5.view(-1), g_offs, g_lens, blocks=blocks,
+                                   num_warps=warps)
+
+    row("vectorized_5d gather + xxh3_128_leaves", cfg, n_rows * row_bytes,
+        _time(gather_5d_hash, dev, reps))
     return rows
 
 

@@ -21,7 +21,8 @@ buffer:
 and ``sglang.pdsafe.kv_digest.digest_request`` itself end to end (leaves, header, root; paths
 ``auto``, ``stream``, ``gather``) on the pool prepared once (``kv_digest.prepare``, as a server
 does), and once with the per-call setup (an unprepared pool), plus on an MLA pool (61 layers x
-576 bf16).
+576 bf16), an MHA pool in AITER's vectorized_5d layout and a DSA pool (61 layers, index_kpool
+1; ``--no-layouts`` skips the last two).
 
 GB/s = owned bytes digested (tokens x row bytes x components) / median seconds over ``--reps``
 repetitions, after one warm-up call per cell; the repetitions are interleaved across all cells
@@ -304,6 +305,69 @@ def bench_mla(args: argparse.Namespace, page_size: int, rep: Report) -> None:
     _run_cells(rep, layout, page_size, nbytes, cells, {}, args.reps)
 
 
+def _digest_cells(kd: Any, pool: Any, row: torch.Tensor, tokens: int,
+                  **kw: Any) -> list[tuple[str, str, Callable[[], Any]]]:
+    prepared = kd.prepare(pool)
+    return [("kv_digest (XXH3-128 leaves)", f"digest_request {path}",
+             lambda path=path: kd.digest_request(prepared, row, prefix=0, length=tokens,
+                                                 room=7, path=path, **kw))
+            for path in ("auto", "gather")]
+
+
+def bench_vectorized_5d(args: argparse.Namespace, page_size: int, rep: Report) -> None:
+    """MHA in ROCm AITER's vectorized_5d layout (each token's row strided through its page
+    block), same shape as the MHA rows. Upstream builds it only on ROCm: its platform flag is
+    set for the constructor alone (the layout needs AITER to be written, not to be laid out)."""
+    from sglang.pdsafe import kv_digest as kd
+    from sglang.srt.mem_cache import memory_pool as mp
+
+    dtype = getattr(torch, args.dtype)
+    old_env, old_flag = os.environ.get("SGLANG_AITER_KV_CACHE_LAYOUT"), mp._use_aiter
+    os.environ["SGLANG_AITER_KV_CACHE_LAYOUT"], mp._use_aiter = "vectorized_5d", True
+    try:
+        pool = mp.MHATokenToKVPool(size=args.pool_tokens, page_size=page_size, dtype=dtype,
+                                   head_num=args.heads, head_dim=args.head_dim,
+                                   layer_num=args.layers, device="cpu",
+                                   enable_memory_saver=False, enable_alt_stream=False)
+    finally:
+        mp._use_aiter = old_flag
+        if old_env is None:
+            os.environ.pop("SGLANG_AITER_KV_CACHE_LAYOUT", None)
+        else:
+            os.environ["SGLANG_AITER_KV_CACHE_LAYOUT"] = old_env
+    _fill_random(pool, seed=5)
+    row = _request_row(args.pool_tokens, page_size, args.tokens, seed=6)
+    nbytes = 2 * args.layers * args.tokens * args.heads * args.head_dim * dtype.itemsize
+    layout = (f"MHA vectorized_5d {args.layers}L x {args.heads}H x {args.head_dim} "
+              f"{args.dtype}, {args.tokens} tokens")
+    _run_cells(rep, layout, page_size, nbytes, _digest_cells(kd, pool, row, args.tokens), {},
+               args.reps)
+
+
+def bench_dsa(args: argparse.Namespace, page_size: int, rep: Report) -> None:
+    """DSA (MLA latent + rope, plus the indexer's FP8 keys and scales per token; GLM-5's
+    family), index_kpool 1: 61 layers of 576 bf16 latent+rope and 128 + 4 index bytes."""
+    from sglang.pdsafe import kv_digest as kd
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.runtime_context import get_parallel
+
+    layers = 61
+    with get_parallel().override(attn_dcp_size=1):
+        pool = DSATokenToKVPool(size=args.pool_tokens, page_size=page_size, kv_lora_rank=512,
+                                dtype=torch.bfloat16, qk_rope_head_dim=64, layer_num=layers,
+                                index_head_dim=128, kv_cache_dim=576, device="cpu",
+                                enable_memory_saver=False)
+    _fill_random(pool, seed=7)
+    for buf in pool.index_k_with_scale_buffer:
+        buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8))
+    row = _request_row(args.pool_tokens, page_size, args.tokens, seed=8)
+    comps = kd.components(pool)
+    nbytes = sum(c.row_bytes for c in comps) * args.tokens
+    layout = f"DSA {layers}L x (576 bfloat16 + 132 B index), {args.tokens} tokens"
+    _run_cells(rep, layout, page_size, nbytes, _digest_cells(kd, pool, row, args.tokens), {},
+               args.reps)
+
+
 def markdown(rep: Report) -> str:
     m = rep.machine
     lines = [
@@ -355,6 +419,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pool-tokens", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-mla", action="store_true", help="skip the MLA end-to-end rows")
+    ap.add_argument("--no-layouts", action="store_true",
+                    help="skip the vectorized_5d and DSA end-to-end rows")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -370,6 +436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_mha(args, ps, cands, rep)
     if not args.no_mla:
         bench_mla(args, 64, rep)
+    if not args.no_layouts:
+        bench_vectorized_5d(args, 16, rep)
+        bench_dsa(args, 64, rep)
     try:
         rep.machine["loadavg_end"] = os.getloadavg()
     except OSError:

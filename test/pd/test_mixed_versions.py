@@ -38,11 +38,11 @@ it pairs, before it announces itself or sends any metadata, so it refuses in bot
 
 * **prefill of another release, fork decode**: every request fails at once on both legs with
   the decode's refusal naming both versions (``wire_version: prefill='sglang-pdsafe-pair/2',
-  decode='sglang-pdsafe-pair/5'``), never a hang and never an HTTP 200; the decode counts the
+  decode='sglang-pdsafe-pair/6'``), never a hang and never an HTTP 200; the decode counts the
   prefill once (``pair_setting_mismatch``); the prefill refuses nothing (it never gets a
   decode's metadata); both servers keep running.
 * **fork prefill, decode of another release**: the same, with the versions the other way
-  round (``prefill='sglang-pdsafe-pair/5', decode='sglang-pdsafe-pair/2'``).
+  round (``prefill='sglang-pdsafe-pair/6', decode='sglang-pdsafe-pair/2'``).
 * **same release, another cluster key on the decode**: refused at pairing the same way, the
   error naming both legs' key ids (``control_key: prefill='blake2b-mac:…', decode=…``), never
   the keys; no message reaches the prefill.
@@ -62,6 +62,7 @@ agreement's refusal on the real pairing step in ``test/unit/test_peer_policy.py`
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -388,7 +389,9 @@ WRONG_KEY_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN":
                  "a-different-cluster-key-0f1e2d3c4b5a69788796a5b4c3d2e1f0"}
 UNAUTHENTICATED = ("sglang:pdsafe_unauthenticated_announce_dropped_total",
                    "sglang:pdsafe_unauthenticated_registration_dropped_total",
-                   "sglang:pdsafe_unauthenticated_transfer_info_dropped_total")
+                   "sglang:pdsafe_unauthenticated_transfer_info_dropped_total",
+                   "sglang:pdsafe_unauthenticated_abort_dropped_total")
+HONOURED = "sglang:pdsafe_unsigned_abort_honoured_total"
 
 
 @pytest.fixture(params=ci_backends())
@@ -402,11 +405,14 @@ def test_a_decode_with_another_cluster_key_is_refused_at_pairing(wrong_key_decod
                                                                  model_path):
     """Same release, another cluster key on the decode: the decode refuses the prefill at
     pairing, naming both legs' key ids (never the keys) and the remedy; every request fails at
-    once on both legs, counted once; nothing reaches the prefill's control thread (no dropped
-    message either: the decode never announces itself); both servers keep running."""
+    once on both legs, counted once; no message is dropped at the prefill (the decode never
+    announces itself; it tells the prefill with unsigned ABORTs, which the prefill cannot
+    check under its key and acts on because no decode claimed the room:
+    ``unsigned_abort_honoured``); both servers keep running."""
     st = wrong_key_decode
     mismatch0 = metric_total(st.decode.url, MISMATCH_COUNTER)
     dropped0 = sum(metric_total(st.prefill.url, n) for n in UNAUTHENTICATED)
+    honoured0 = metric_total(st.prefill.url, HONOURED)
     rng = random.Random(1107)
     for i in range(2):
         ids = random_prompt(rng, rng.randint(20, 120), model_path)
@@ -421,6 +427,11 @@ def test_a_decode_with_another_cluster_key_is_refused_at_pairing(wrong_key_decod
             assert WRONG_KEY_ENV["SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN"] not in msg
     assert metric_total(st.decode.url, MISMATCH_COUNTER) == mismatch0 + 1
     assert sum(metric_total(st.prefill.url, n) for n in UNAUTHENTICATED) == dropped0
+    deadline = time.monotonic() + 10  # counters are exported about once a second
+    while metric_total(st.prefill.url, HONOURED) < honoured0 + 2 and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert metric_total(st.prefill.url, HONOURED) >= honoured0 + 2
     for side in (st.prefill, st.decode):
         assert side.process.alive(), f"{side.config.role} died"
         assert requests.get(side.url + "/health", timeout=30).status_code == 200

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any
@@ -520,6 +521,94 @@ def test_a_forged_abort_neither_fails_a_live_transfer_nor_arms_an_ack(
     assert prefill.m.request_status[room] == KVPoll.WaitingForInput
     assert prefill.sent == []
     assert _delta(before) == {control_mac.unauthenticated_counter("abort"): 2}
+
+
+def _unclaimed_abort(monkeypatch, backend: str) -> tuple[tgt._Prefill, int, list[bytes]]:
+    """A keyed prefill whose sender of a fresh room is open (no decode sent metadata for it)
+    takes an unsigned ABORT of that room through its real bootstrap loop (the grace long
+    enough that only the test resolves it)."""
+    from sglang.pdsafe import unsigned_abort
+    from sglang.srt.disaggregation.common.conn import AbortNotification
+
+    _keyed(monkeypatch)
+    monkeypatch.setenv(unsigned_abort.ENV_GRACE, "600")
+    prefill = tgt._Prefill(backend)
+    room = tgt._room()
+    prefill.m.update_status(room, KVPoll.Bootstrapping)
+    abort = AbortNotification(room=room, decode_ip=tgt.HOST, decode_port=6666).to_zmq()
+    prefill.m._stopped = False
+    cap._run_bootstrap_loop(monkeypatch, prefill.m, [abort])
+    assert prefill.m.request_status[room] == KVPoll.Bootstrapping, "held, not acted on yet"
+    return prefill, room, abort
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_unsigned_abort_of_an_unclaimed_room_is_honoured_after_the_grace(
+        monkeypatch, backend) -> None:
+    """A decode of another release refuses this keyed prefill at pairing and tells it with an
+    unsigned ABORT (it signs nothing for a prefill of another wire version). No decode claims
+    the room with signed metadata within the grace: the ABORT is honoured, the prefill's side
+    of the request fails at once (not at its waiting timeout), counted."""
+    from sglang.pdsafe import unsigned_abort
+
+    before = metrics.value(unsigned_abort.HONOURED)
+    dropped = metrics.value(unsigned_abort.DROPPED)
+    prefill, room, _ = _unclaimed_abort(monkeypatch, backend)
+    unsigned_abort.expire(prefill.m, unsigned_abort._table(prefill.m), time.monotonic() + 900)
+    assert prefill.m.request_status[room] == KVPoll.Failed
+    assert metrics.value(unsigned_abort.HONOURED) == before + 1
+    assert metrics.value(unsigned_abort.DROPPED) == dropped
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_early_unsigned_abort_cannot_fail_a_room_its_decode_then_claims(
+        monkeypatch, backend) -> None:
+    """A keyless sender that learnt a room sends its ABORT before the decode's metadata: held;
+    the decode of this release then claims the room with signed metadata; at the end of the
+    grace the ABORT is dropped (counted) and the transfer goes on."""
+    from sglang.pdsafe import unsigned_abort
+
+    prefill, room, _ = _unclaimed_abort(monkeypatch, backend)
+    dropped = metrics.value(unsigned_abort.DROPPED)
+    rank = tgt._Rank(monkeypatch, backend)
+    rank.reserve("r", room)
+    prefill.receive(monkeypatch, rank)
+    assert room in prefill.m.transfer_infos
+    prefill.m.update_status(room, KVPoll.WaitingForInput)
+    unsigned_abort.expire(prefill.m, unsigned_abort._table(prefill.m), time.monotonic() + 900)
+    assert prefill.m.request_status[room] == KVPoll.WaitingForInput
+    assert metrics.value(unsigned_abort.DROPPED) == dropped + 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_peer_release_notices_go_signed_to_a_prefill_of_this_release(monkeypatch, backend):
+    """A server's HTTP layer tells a prefill to drop a room (a bare ABORT, ``peer_notifier``):
+    signed for a prefill that published this wire version, so the keyed prefill acts on it
+    at once even after the room's decode sent signed metadata; unchanged for one that
+    published another or none (it would misread the frame)."""
+    from sglang.pdsafe import pair_settings
+    from sglang.pdsafe.peer_release_wire import ORIGIN_PEER, encode_abort
+
+    from . import test_abort_generation as abg
+
+    _keyed(monkeypatch)
+    room = tgt._room()
+    rank, dreq, prefill = abg._served(monkeypatch, backend, room)
+    notice = encode_abort(room, ORIGIN_PEER, "the decode server's HTTP layer refused it")
+    ours = {"pdsafe_pair": {"wire_version": pair_settings.WIRE_VERSION}}
+    for other in ({}, {"pdsafe_pair": {"wire_version": "sglang-pdsafe-pair/5"}}):
+        assert control_mac.sealed_notice(other, list(notice)) == notice
+    signed = control_mac.sealed_notice(ours, list(notice))
+    assert len(signed) == len(notice) + 1 and _mac(signed[-1])
+    before = _counts()
+    prefill.m._stopped = False
+    cap._run_bootstrap_loop(monkeypatch, prefill.m, [notice])
+    assert prefill.m.request_status[room] == KVPoll.WaitingForInput, "unsigned: dropped"
+    assert _delta(before) == {control_mac.unauthenticated_counter("abort"): 1}
+    prefill.m._stopped = False
+    cap._run_bootstrap_loop(monkeypatch, prefill.m, [signed])
+    assert prefill.m.request_status[room] == KVPoll.Failed
+    assert _delta(before) == {control_mac.unauthenticated_counter("abort"): 1}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

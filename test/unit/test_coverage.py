@@ -239,3 +239,120 @@ def test_gate_itself_never_skips_a_fake_bootstrap_host():
     dq, dreq = _roundtrip(TOKENS[:100], TOKENS)
     dreq.req.bootstrap_host = FAKE_BOOTSTRAP_HOST
     assert cov.admit(dq, dreq) is False
+
+
+# --------------------------------------------------------------------------- aux rows (layout 3)
+
+
+def _full_buffers(monkeypatch):
+    """Real ``MetadataBuffers`` with every optional aux field on: the sampling mask, EAGLE's
+    hidden states and top-k, the DSA top-k indices, the KV digest row."""
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    monkeypatch.setenv("SGLANG_ENABLE_DISAGG_SAMPLING_MASK", "1")
+    return MetadataBuffers(8, hidden_size=16, hidden_states_dtype=torch.float32,
+                           max_sampling_mask_tokens=4, output_dsa_topk_indices_dim=6,
+                           kv_checksum_enabled=True)
+
+
+def _present_aux(buffers) -> list[str]:
+    return [n for n in cov.AUX_FIELDS if isinstance(getattr(buffers, n, None), torch.Tensor)]
+
+
+def _randomize_slot(buffers, idx: int, seed: int) -> None:
+    """What ``set_buf`` (and earlier owners of the slot) leave in its aux rows."""
+    g = torch.Generator().manual_seed(seed)
+    for name in _present_aux(buffers):
+        row = getattr(buffers, name)[idx].view(torch.uint8)
+        row.copy_(torch.randint(0, 256, row.shape, dtype=torch.uint8, generator=g))
+
+
+def _aux_roundtrip(monkeypatch, seed: int = 1):
+    pbuf, dbuf = _full_buffers(monkeypatch), _full_buffers(monkeypatch)
+    preq = _prefill_req(TOKENS)
+    _randomize_slot(pbuf, preq.metadata_buffer_index, seed)
+    _randomize_slot(dbuf, 5, seed + 100)  # an earlier owner's rows on decode
+    pbuf.bootstrap_room[preq.metadata_buffer_index, 0] = preq.bootstrap_room
+    cov.attest_prefill_hook(pbuf, preq, len(TOKENS), 16)
+    dreq = _decode_req(TOKENS)
+    cov.note_reservation_hook(dreq, list(range(cov.pages_for(0, len(TOKENS), 16))), 16, 0,
+                              len(TOKENS))
+    _transfer_row(pbuf, dbuf, preq.metadata_buffer_index, dreq.metadata_buffer_index)
+    return pbuf, _Queue(dbuf), dreq
+
+
+def test_every_metadata_field_upstream_builds_is_classified(monkeypatch):
+    """Every tensor of upstream's ``MetadataBuffers`` (all options on) is an aux field bound
+    into the coverage row or one of the two self-checked rows; fails when upstream adds one
+    nobody classified (the hook would then refuse every transfer, see below)."""
+    buffers = _full_buffers(monkeypatch)
+    tensors = {n for n, v in vars(buffers).items() if isinstance(v, torch.Tensor)}
+    assert tensors <= set(cov.AUX_FIELDS) | set(cov.SELF_CHECKED_FIELDS), \
+        tensors - set(cov.AUX_FIELDS) - set(cov.SELF_CHECKED_FIELDS)
+    ptrs, _, _ = buffers.get_buf_infos()
+    assert len(ptrs) == len(tensors)  # every tensor is registered for the transfer
+    assert {n for n, _ in cov.aux_rows(buffers, 0)} == tensors - set(cov.SELF_CHECKED_FIELDS)
+
+
+def test_one_byte_of_any_aux_row_refuses_the_commit(monkeypatch):
+    """A byte of the first output token, the cached counts, a logprob, the sampling mask,
+    EAGLE's top-k or hidden states or the DSA top-k indices that is not what prefill wrote for
+    this transfer (a late write of an earlier transfer of the slot): a ``token_digest``
+    mismatch, refused at commit; the untouched rows verify."""
+    _, dq, dreq = _aux_roundtrip(monkeypatch)
+    assert cov.check_commit_hook(dq, dreq).ok
+    fields = _present_aux(dq.metadata_buffers)
+    assert {"output_ids", "output_hidden_states", "output_topk_p", "output_dsa_topk_indices",
+            "output_token_sampling_mask_idx"} <= set(fields)
+    for name in fields:
+        row = getattr(dq.metadata_buffers, name)[dreq.metadata_buffer_index].view(torch.uint8)
+        for pos in (0, row.numel() - 1):
+            row[pos] ^= 0x10
+            v = cov.check_commit_hook(dq, dreq)
+            row[pos] ^= 0x10
+            assert v.outcome is cov.Outcome.MISMATCH and v.differs == ("token_digest",), name
+            assert "aux data" in v.message
+    assert cov.check_commit_hook(dq, dreq).ok
+
+
+def test_a_foreign_first_token_is_refused_and_counted(monkeypatch):
+    """Decode's slot holds another request's aux rows (its first token, hidden states) under
+    this transfer's own coverage row: refused (500) and counted, never decoded."""
+    pbuf, dq, dreq = _aux_roundtrip(monkeypatch)
+    other = _full_buffers(monkeypatch)
+    _randomize_slot(other, 3, seed=77)
+    for name in ("output_ids", "output_hidden_states"):
+        getattr(dq.metadata_buffers, name)[dreq.metadata_buffer_index] = \
+            getattr(other, name)[3]
+    before = metrics.value("coverage_mismatch_total")
+    assert cov.admit(dq, dreq) is False
+    assert dreq.req.finished_reason.status_code == HTTPStatus.INTERNAL_SERVER_ERROR
+    assert metrics.value("coverage_mismatch_total") == before + 1
+
+
+def test_a_registered_buffer_nobody_classified_fails_closed(monkeypatch):
+    """Upstream registers one more metadata buffer: neither leg attests or commits around it;
+    the commit gate refuses (500, counted), prefill's attestation hook fails the room."""
+    from sglang.pdsafe import commit_gate
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    class Newer(MetadataBuffers):
+        def __init__(self, *a, **k) -> None:
+            super().__init__(*a, **k)
+            self.output_new_field = torch.zeros((8, 4), dtype=torch.int32)
+
+        def get_buf_infos(self):
+            ptrs, lens, items = super().get_buf_infos()
+            t = self.output_new_field
+            return ptrs + [t.data_ptr()], lens + [t.nbytes], items + [t[0].nbytes]
+
+    buffers = Newer(8, hidden_size=16, hidden_states_dtype=torch.float32,
+                    max_sampling_mask_tokens=4)
+    with pytest.raises(cov.UnboundAuxBuffer, match="neither binds"):
+        cov.aux_rows(buffers, 0)
+    _, dq, dreq = _aux_roundtrip(monkeypatch)
+    dq.metadata_buffers = buffers
+    before = metrics.value(cov.FAILED)
+    assert commit_gate.admit_commit(dq, dreq) is False
+    assert dreq.req.finished_reason.status_code == HTTPStatus.INTERNAL_SERVER_ERROR
+    assert metrics.value(cov.FAILED) == before + 1

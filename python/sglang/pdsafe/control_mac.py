@@ -19,12 +19,12 @@ report lists ``signed-control-messages`` as off); ``SGLANG_PDSAFE_REQUIRE_CLUSTE
 that a startup error. ``SGLANG_PDSAFE_CONTROL_MAC=0`` turns signing off with a key configured
 (startup warning).
 
-**Wire** (wire version ``sglang-pdsafe-pair/5``): one frame ``PDSAFE_MAC1:<32 hex>``, always the
-very last, after every other frame (the transfer generation's included): a 128-bit BLAKE2b MAC
-under the MAC key, personalised ``pdsafe-mac1``, over the direction (``d2p``/``p2d``: a message
-of one direction is never valid in the other) and every other frame, each length-prefixed. The
-receiver strips it before anything else reads the message, so every parser (upstream's and
-ours) sees exactly what it saw before.
+**Wire** (wire version ``sglang-pdsafe-pair/5`` and later): one frame ``PDSAFE_MAC1:<32 hex>``,
+always the very last, after every other frame (the transfer generation's included): a 128-bit
+BLAKE2b MAC under the MAC key, personalised ``pdsafe-mac1``, over the direction
+(``d2p``/``p2d``: a message of one direction is never valid in the other) and every other
+frame, each length-prefixed. The receiver strips it before anything else reads the message, so
+every parser (upstream's and ours) sees exactly what it saw before.
 
 Signed (a leg signs only for peers that speak this wire version: a stock peer under the
 operator's waiver never sees the frame, which its parsers would misread as an optional field):
@@ -56,7 +56,9 @@ Checked (each backend's control thread, first thing after the receive, :func:`ve
   carry staging offsets, and this release does not sign them, so a keyed server refuses to
   start with ``SGLANG_DISAGG_STAGING_BUFFER`` on: :func:`rank_starting`);
 * a keyed prefill drops an unsigned announcement, registration, transfer metadata, ABORT or
-  BOOTSTRAP, unless
+  BOOTSTRAP (an unsigned ABORT for a room no decode has sent it metadata for is held for a
+  grace and honoured if none arrives meanwhile: a decode of another release refusing this
+  prefill at pairing ends the request that way; :mod:`sglang.pdsafe.unsigned_abort`), unless
   its operator waived the decode protections for stock decodes
   (``SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS=decode-protections``: a stock decode cannot sign; the
   waiver is what lets it in, and everyone who can reach the port with it). Nothing unsigned
@@ -107,6 +109,7 @@ from sglang.pdsafe import (
     policy,
     transfer,
     transfer_generation,
+    unsigned_abort,
 )
 from sglang.pdsafe.hook_api import require
 from sglang.pdsafe.log_limit import LogLimit
@@ -233,6 +236,33 @@ _process_server_args: list[Any] = []
 def _keys_of(kv_mgr: Any) -> tuple[bytes, ...]:
     """The keys of the server ``kv_mgr`` belongs to (this process's scheduler)."""
     return keys(_process_server_args[-1] if _process_server_args else None)
+
+
+def launcher_starting(server_args: Any) -> None:
+    """The launcher process (``startup.launching``), where the HTTP layer's peer-release
+    notifier runs: its notices are signed with the keys its schedulers sign with."""
+    if not _process_server_args:
+        _process_server_args[:] = [server_args]
+
+
+def sealed_notice(topology: Any, frames: list[Any]) -> list[Any]:
+    """A peer-release notice (a bare ABORT from a server's HTTP layer, ``peer_notifier``) to
+    the prefill whose ``GET /route`` topology is ``topology``: signed when this process has a
+    key and that prefill published this release's wire version, else unchanged (a prefill of
+    another release would misread the frame; it takes unsigned ABORTs)."""
+    ks = _keys_of(None)
+    pair = topology.get("pdsafe_pair") if isinstance(topology, dict) else None
+    if not ks or not isinstance(pair, dict) or \
+            pair.get("wire_version") != pair_settings.WIRE_VERSION:
+        return frames
+    theirs = pair.get("control_key")
+    if isinstance(theirs, str) and not compatible(theirs, _advertised_keys(ks)):
+        return frames  # it does not accept our key (pairing is refused): see sealed_for_prefill
+    return seal(ks[0], D2P, frames)
+
+
+def _advertised_keys(ks: Sequence[bytes]) -> str:
+    return SCHEME + ",".join(key_id(k) for k in ks)
 
 
 def key_id(mac_key: bytes) -> str:
@@ -428,6 +458,12 @@ def sealed_for_prefill(kv_mgr: Any, room: Any, bootstrap_addr: str,
         return message  # MORI: its prefill does not check (nor expect) the frame
     if pair_settings.prefill_wire_version(kv_mgr, bootstrap_addr) != pair_settings.WIRE_VERSION:
         return message
+    theirs = pair_settings.prefill_control_key(kv_mgr, bootstrap_addr)
+    if theirs is not None and not compatible(theirs, _advertised_keys(ks)):
+        # Pairing with it is refused (it does not accept our key): our MAC would fail there,
+        # while an unsigned ABORT of a room we never sent it metadata for is acted on
+        # (:mod:`sglang.pdsafe.unsigned_abort`), so its side of the request ends too.
+        return message
     return seal(ks[0], D2P, message)
 
 
@@ -483,7 +519,10 @@ def _room_of(kv_mgr: Any, msg: Sequence[Any], side: str) -> int | None:
     if side != "prefill":
         return _decode_bound_room(kv_mgr, msg)
     try:
-        return int(bytes(_unguarded(msg)[0]).decode("ascii"))
+        frames = _unguarded(msg)
+        first = bytes(frames[0])
+        # ABORT and BOOTSTRAP name their room second; metadata and registrations first.
+        return int(bytes(frames[1 if first in (_ABORT, _BOOTSTRAP) else 0]).decode("ascii"))
     except (IndexError, ValueError, UnicodeDecodeError, TypeError):
         return None
 
@@ -560,6 +599,9 @@ def verified(kv_mgr: Any, msg: list[Any]) -> list[Any] | None:
     if not ks:
         return body
     if side == "prefill":
+        if kind == "abort" and not peer_policy.decode_protections_waived():
+            unsigned_abort.hold(kv_mgr, body)  # resolved (and counted) there
+            return None
         if kind in MUST_SIGN_TO_PREFILL and not peer_policy.decode_protections_waived():
             _drop(kind, counter, "it is unsigned (a decode of this release signs it; a stock "
                                  "decode sends it unsigned: its requests fail at their waiting "

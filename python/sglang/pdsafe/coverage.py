@@ -18,8 +18,9 @@ slot  field                meaning
 0     room                 bootstrap room (upstream writes and checks it)
 1     magic                ``MAGIC_VERSION``: "pdsafe" + layout version (0 = no attestation)
 2     token_digest         blake2b of (room, token ids ``[0, first + count)``) bound to the
-                           transfer generation: the per-transfer binding value, see
-                           :func:`token_digest` and :func:`bind_generation`
+                           transfer generation and to the slot's aux rows: the per-transfer
+                           binding value, see :func:`token_digest`, :func:`aux_digest` and
+                           :func:`bind_transfer`
 3     first_token_idx      first position prefill wrote (decode's promised prefix length)
 4     token_count          positions prefill wrote: ``[first, first + count)``
 5     page_count           pages prefill wrote into decode's reservation
@@ -52,7 +53,7 @@ that changes it. It is *derived* by both sides (decode recomputes it from its ow
 on its own it would not distinguish two transfers of the same room with the same tokens (a
 client reusing a room for an identical prompt, or a late row from an earlier attempt of the
 same room and prompt). Slot 2 therefore carries it bound to the transfer generation
-(:func:`bind_generation`; :mod:`sglang.pdsafe.transfer_generation`): decode mints a new one
+(:func:`bind_transfer`; :mod:`sglang.pdsafe.transfer_generation`): decode mints a new one
 for every reservation and sends it with the metadata, prefill binds the one its decode ranks
 sent (``CommonKVSender.pdsafe_transfer_generation``), decode the one it sent
 (``CommonKVReceiver.pdsafe_transfer_generation``), so a row written for another reservation of
@@ -60,6 +61,19 @@ the room is a ``token_digest`` mismatch. Where no generation travels (a backend 
 MORI; an earlier prefix of the series) both sides bind 0: the row is then only as fresh as the
 room. It also attests what prefill *claims* to have written, not the bytes in the pages (that
 is the KV digest's job, whose row binds the generation too).
+
+**Aux data** (layout 3). The other rows of the request's metadata slot travel in the same aux
+transfer: the first output token (``output_ids``), the cached-token counts, the first token's
+logprobs and top logprobs, the sampling mask, EAGLE's top-k and hidden states (which seed
+speculation) and the DSA top-k indices (:data:`AUX_FIELDS`). Slot 2 also binds a digest of
+all of them, whole rows, in the order the transfer registers them (:func:`aux_digest`):
+prefill hashes its rows after upstream's ``set_buf``, decode hashes the rows it received, so
+a decode never takes a first token, a logprob or a speculation seed from a row that is not the
+one prefill wrote for this transfer (a late write of an earlier transfer of the slot, a row
+nobody wrote). Every buffer the transfer registers (``MetadataBuffers.get_buf_infos``) must be
+one of :data:`AUX_FIELDS` or one of the two rows that carry their own checks (this row and the
+KV digest row); a buffer upstream adds that nobody classified fails the check closed
+(:class:`UnboundAuxBuffer`: the request is refused, never served with an unchecked field).
 """
 
 from __future__ import annotations
@@ -84,8 +98,18 @@ from sglang.srt.disaggregation.utils import prepare_abort
 logger = logging.getLogger(__name__)
 
 #: "pdsafe" in ASCII, then a 16-bit layout version (2: slot 2 bound to the transfer
-#: generation). Positive as int64 (Ascend's row dtype).
-MAGIC_VERSION = 0x7064_7361_6665_0002
+#: generation; 3: and to the slot's aux rows). Positive as int64 (Ascend's row dtype).
+MAGIC_VERSION = 0x7064_7361_6665_0003
+#: The metadata-slot rows decode reads, bound into slot 2 (upstream 0.5.23's
+#: ``MetadataBuffers`` fields; absent ones, such as the sampling mask when it is off, are None
+#: there and skipped).
+AUX_FIELDS = ("output_ids", "cached_tokens", "output_token_logprobs_val",
+              "output_token_logprobs_idx", "output_top_logprobs_val", "output_top_logprobs_idx",
+              "output_token_sampling_mask_len", "output_token_sampling_mask_idx",
+              "output_token_sampling_logprobs", "output_topk_p", "output_topk_index",
+              "output_hidden_states", "output_dsa_topk_indices")
+#: Registered rows that carry their own check: this attestation, and the KV digest row.
+SELF_CHECKED_FIELDS = ("bootstrap_room", "kv_checksum")
 ROW_WIDTH = 8
 SLOT_ROOM, SLOT_MAGIC, SLOT_DIGEST, SLOT_FIRST, SLOT_COUNT, SLOT_PAGES, SLOT_PAGE_SIZE, SLOT_CRC = (
     range(ROW_WIDTH)
@@ -166,10 +190,49 @@ def token_digest(room: int, token_ids: Sequence[int]) -> int:
                 np.ascontiguousarray(arr))
 
 
-def bind_generation(digest: int, generation: int) -> int:
-    """Slot 2's value: the token digest bound to the transfer's generation (0: none travels)."""
-    return _h63(b"pdsafe-cov2", (int(digest) & _U64).to_bytes(8, "little"),
-                (int(generation) & _U64).to_bytes(8, "little"))
+def bind_transfer(digest: int, generation: int, aux: int) -> int:
+    """Slot 2's value: the token digest bound to the transfer's generation (0: none travels)
+    and to the digest of the slot's aux rows (:func:`aux_digest`)."""
+    return _h63(b"pdsafe-cov3", (int(digest) & _U64).to_bytes(8, "little"),
+                (int(generation) & _U64).to_bytes(8, "little"),
+                (int(aux) & _U64).to_bytes(8, "little"))
+
+
+class UnboundAuxBuffer(RuntimeError):
+    """The transfer registers a metadata buffer that is neither an aux field this module binds
+    nor a self-checked row: a field decode might read unchecked."""
+
+
+def aux_rows(metadata_buffers: Any, index: int) -> list[tuple[str, torch.Tensor]]:
+    """The slot's aux rows, ``(field, row)``, in the order the transfer registers the buffers
+    (``get_buf_infos``). Raises :class:`UnboundAuxBuffer` when a registered buffer is none of
+    :data:`AUX_FIELDS` and :data:`SELF_CHECKED_FIELDS`."""
+    by_ptr: dict[int, str] = {}
+    for name in AUX_FIELDS + SELF_CHECKED_FIELDS:
+        t = getattr(metadata_buffers, name, None)
+        if isinstance(t, torch.Tensor):
+            by_ptr[t.data_ptr()] = name
+    ptrs, _, _ = metadata_buffers.get_buf_infos()
+    unknown = [i for i, p in enumerate(ptrs) if p not in by_ptr]
+    if unknown:
+        raise UnboundAuxBuffer(
+            f"the KV transfer registers metadata buffer(s) {unknown} of {len(ptrs)} that "
+            "sglang-pdsafe neither binds into the coverage row nor checks otherwise (an "
+            "upstream field this release does not know): refusing rather than letting decode "
+            "read it unchecked; run an sglang-pdsafe release made for this upstream")
+    names = [by_ptr[p] for p in ptrs]
+    return [(n, getattr(metadata_buffers, n)[index]) for n in names if n in AUX_FIELDS]
+
+
+def aux_digest(rows: Sequence[tuple[str, torch.Tensor]]) -> int:
+    """Digest of a slot's aux rows: each field's name, byte length and bytes, in order."""
+    h = hashlib.blake2b(digest_size=8, person=b"pdsafe-aux1")
+    for name, row in rows:
+        raw = row.detach().contiguous().cpu().view(torch.uint8).numpy()
+        h.update(name.encode("ascii"))
+        h.update(int(raw.nbytes).to_bytes(8, "little"))
+        h.update(raw)
+    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def pages_for(first_token_idx: int, token_count: int, page_size: int) -> int:
@@ -285,7 +348,9 @@ def verify(row: Sequence[int], reservation: Coverage, rid: str = "?") -> Verdict
     if differs == ("token_digest",):
         extra = (" Same length, but prefill computed the KV from other tokens than decode holds "
                  "(chat template or tokenizer differs), or the row was written for another "
-                 "transfer of this bootstrap room (another transfer generation).")
+                 "transfer of this bootstrap room (another transfer generation), or the "
+                 "slot's aux data (first token, logprobs, speculation state) is not what "
+                 "prefill wrote for this transfer.")
     return Verdict(Outcome.MISMATCH, (
         f"KV coverage mismatch for request {rid} (bootstrap_room={reservation.room}): prefill "
         f"wrote {_describe(att)}, decode reserved {_describe(reservation)} "
@@ -381,12 +446,14 @@ def _attest_failed(failure: policy.Failure) -> None:
       effect="the room fails at once (500; the decode told Failed)")
 def attest_prefill_hook(metadata_buffers: Any, req: Any, end_idx: int, page_size: int) -> None:
     """Prefill, at its last chunk, after upstream's ``set_buf``: write the attestation row
-    (slot 2 bound to the generation the room's decode ranks sent)."""
+    (slot 2 bound to the generation the room's decode ranks sent and to the slot's aux rows,
+    as ``set_buf`` left them)."""
     first = int(getattr(req, "disagg_decode_prefix_len", 0) or 0)
     cov = build_coverage(req.bootstrap_room, req.origin_input_ids, first, int(end_idx),
                          int(page_size))
-    cov = replace(cov, token_digest=bind_generation(cov.token_digest,
-                                                    _prefill_generation(req)))
+    aux = aux_digest(aux_rows(metadata_buffers, req.metadata_buffer_index))
+    cov = replace(cov, token_digest=bind_transfer(cov.token_digest, _prefill_generation(req),
+                                                  aux))
     buf = metadata_buffers.bootstrap_room
     row = encode(cov)
     buf[req.metadata_buffer_index, 1:ROW_WIDTH] = torch.tensor(
@@ -394,7 +461,9 @@ def attest_prefill_hook(metadata_buffers: Any, req: Any, end_idx: int, page_size
 
 
 def check_commit_hook(transfer_queue: Any, decode_req: Any) -> Verdict:
-    """Decode, before commit: verify the transferred row against the recorded reservation."""
+    """Decode, before commit: verify the transferred row against the recorded reservation,
+    bound to the generation decode sent and to the aux rows it received (a stale or foreign
+    first token, logprob or speculation seed is a ``token_digest`` mismatch)."""
     req = decode_req.req
     reservation = reservation_of(decode_req)
     rid = getattr(req, "rid", "?")
@@ -403,10 +472,11 @@ def check_commit_hook(transfer_queue: Any, decode_req: Any) -> Verdict:
             f"KV transfer refused for request {rid} (bootstrap_room={req.bootstrap_room}): "
             "decode recorded no reservation for it, so its coverage cannot be checked; the "
             "request was not decoded. This is an sglang-pdsafe bug: please report it."))
-    bound = replace(reservation, token_digest=bind_generation(
-        reservation.token_digest, _decode_generation(decode_req)))
-    row = transfer_queue.metadata_buffers.bootstrap_room[decode_req.metadata_buffer_index]
-    return verify(row.tolist(), bound, rid)
+    buffers, index = transfer_queue.metadata_buffers, decode_req.metadata_buffer_index
+    bound = replace(reservation, token_digest=bind_transfer(
+        reservation.token_digest, _decode_generation(decode_req),
+        aux_digest(aux_rows(buffers, index))))
+    return verify(buffers.bootstrap_room[index].tolist(), bound, rid)
 
 
 def admit(transfer_queue: Any, decode_req: Any) -> bool:

@@ -69,6 +69,13 @@ COUNTERS: dict[str, str] = {
     "unauthenticated_abort_dropped_total":
         "Decode ABORTs a keyed prefill dropped: bad MAC or unsigned; the room's transfer is "
         "not failed by it and no drain ACK is armed.",
+    "unsigned_abort_honoured_total":
+        "Unsigned ABORTs a keyed prefill acted on: no decode sent metadata for the room "
+        "within SGLANG_PDSAFE_UNSIGNED_ABORT_GRACE_S (a decode of another release refusing "
+        "this prefill at pairing); the room failed at once.",
+    "unsigned_abort_failed_total":
+        "Unsigned-ABORT hooks that failed (holding one, or the sweep); an ABORT that could not "
+        "be held was dropped (its request ends at its waiting timeout).",
     "unauthenticated_bootstrap_dropped_total":
         "Deferred-bootstrap BOOTSTRAP messages a keyed prefill dropped: bad MAC or unsigned.",
     "unauthenticated_abort_ack_dropped_total":

@@ -44,7 +44,10 @@ from sglang.pdsafe import transfer
 #: /5: the transfer messages carry a MAC under the cluster key (``control_mac``) and each leg
 #: publishes its key ids (``control_key``): a /4 leg would read the MAC frame as its generation
 #: frame, so /4 pairs are refused at pairing.
-WIRE_VERSION = "sglang-pdsafe-pair/5"
+#: /6: the coverage row binds the metadata slot's aux rows (layout 3), and a keyed leg signs
+#: (and requires signed) ABORT, ABORT_ACK and BOOTSTRAP: a /5 leg's coverage rows would all be
+#: refused and its unsigned ABORTs dropped, so /5 pairs are refused at pairing.
+WIRE_VERSION = "sglang-pdsafe-pair/6"
 #: This process's incarnation (see the module doc).
 INCARNATION = secrets.token_hex(8)
 #: Prefills remembered per decode; the oldest are forgotten first.
@@ -136,6 +139,8 @@ class Published:
     wire_version: str | None
     incarnation: str | None
     seen: int = field(default_factory=observation, compare=False)
+    #: Its ``control_key`` setting (the ids of the cluster keys it signs with and accepts).
+    control_key: str | None = field(default=None, compare=False)
 
 
 class _Table:
@@ -181,8 +186,10 @@ def remember(kv_mgr: Any, bootstrap_addr: str, settings: PairSettings | None) ->
     prefill); returns what it published before (``Published(None, None)`` if unknown)."""
     version = settings.wire_version if settings is not None else None
     incarnation = settings.incarnation if settings is not None else None
+    control_key = getattr(settings, "control_key", None)
     new = Published(version if isinstance(version, str) else None,
-                    incarnation if isinstance(incarnation, str) else None)
+                    incarnation if isinstance(incarnation, str) else None,
+                    control_key=control_key if isinstance(control_key, str) else None)
     t = _table(kv_mgr)
     with t.lock:
         old = t.prefills.get(bootstrap_addr, Published(None, None))
@@ -205,6 +212,13 @@ def prefill_wire_version(kv_mgr: Any, bootstrap_addr: str) -> str | None:
     ``peer_capability`` announces this decode only to a prefill of this release's version."""
     p = _published(kv_mgr, bootstrap_addr)
     return None if p is None else p.wire_version
+
+
+def prefill_control_key(kv_mgr: Any, bootstrap_addr: str) -> str | None:
+    """The ``control_key`` setting the prefill at ``bootstrap_addr`` published when this
+    decode last paired with it (None: none, or never fetched)."""
+    p = _published(kv_mgr, bootstrap_addr)
+    return None if p is None else p.control_key
 
 
 def prefill_incarnation(kv_mgr: Any, bootstrap_addr: str) -> str | None:

@@ -57,6 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from sglang.pdsafe import control_mac
 from sglang.pdsafe.hook_api import require
 from sglang.pdsafe.peer_release_wire import (
     ABORT_TAG,
@@ -316,7 +317,8 @@ class Notifier:
         budget_end = time.monotonic() + self.LOOKUP_BUDGET_S
         if not self._fresh(route):
             topology = self._http_route(addr, budget_end, prefill_dp_rank=-1,
-                                        prefill_cp_rank=-1, target_tp_rank=-1, target_pp_rank=-1)
+                                        prefill_cp_rank=-1, target_tp_rank=-1, target_pp_rank=-1,
+                                        pdsafe_pair=1)  # its wire version: sign for it?
             route = _Route(time.monotonic(), topology)
         assert route is not None
         info = route.topology
@@ -428,8 +430,8 @@ class Notifier:
             if endpoints is None:
                 unresolved.append(job)
                 continue
-            frames = [ABORT_TAG, str(job.room).encode("ascii"), wire_frame(job.origin,
-                                                                            job.reason)]
+            frames = control_mac.sealed_notice(route.topology, [
+                ABORT_TAG, str(job.room).encode("ascii"), wire_frame(job.origin, job.reason)])
             sent = 0
             for ip, port in endpoints:
                 na = NetworkAddress(ip, port)

@@ -12,6 +12,7 @@ This module is the bottom floor of the package: it imports nothing of pdsafe.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -73,6 +74,27 @@ def switch_on(env: str) -> bool:
     False only when ``env`` is set to one of :data:`OFF_VALUES`; unset or anything else is on,
     so a typo never turns a protection off."""
     return os.environ.get(env, "1").strip().lower() not in OFF_VALUES
+
+
+def positive_seconds(env: str, default: float, what: str) -> float:
+    """The positive number of seconds ``env`` gives (``default`` when unset); raises
+    ``ValueError`` naming ``env`` and ``what`` it sets for anything else. Cached per raw value
+    (hot paths read it on every message)."""
+    return _positive_seconds(env, os.environ.get(env, "").strip(), float(default), what)
+
+
+@functools.lru_cache(maxsize=32)
+def _positive_seconds(env: str, raw: str, default: float, what: str) -> float:
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise ValueError(f"{env}={raw!r} is not a number of seconds; give e.g. "
+                         f"{default:g}") from e
+    if not value > 0:
+        raise ValueError(f"{env}={raw!r} must be positive (seconds {what})")
+    return value
 
 
 def off_by(env: str) -> Callable[[Any], str | None]:

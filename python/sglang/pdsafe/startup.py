@@ -75,6 +75,7 @@ HOOK_MODULES: tuple[str, ...] = (
     "sglang.pdsafe.page_generation",
     "sglang.pdsafe.transfer_generation",
     "sglang.pdsafe.unclaimed_rooms",
+    "sglang.pdsafe.unsigned_abort",
     "sglang.pdsafe.control_mac",
     "sglang.pdsafe.sample_rooms",
     "sglang.pdsafe.startup",
@@ -139,6 +140,10 @@ def launching(server_args: Any) -> dict[str, bool]:
     if is_pd(server_args) and policy.state_dir() is None:
         policy.create_state_dir()
     _checks(server_args)
+    if is_pd(server_args):
+        from sglang.pdsafe import control_mac
+
+        control_mac.launcher_starting(server_args)  # this process's notices are signed
     if is_pd(server_args) and pd_mode(server_args) == "prefill":
         from sglang.pdsafe import bootstrap_auth
 
@@ -191,6 +196,9 @@ def _checks(server_args: Any) -> None:
             from sglang.pdsafe import unclaimed_rooms
 
             unclaimed_rooms.check_settings()  # a malformed timeout or limit refuses the start
+            from sglang.pdsafe import unsigned_abort
+
+            unsigned_abort.check_settings()  # a malformed grace refuses the start
         policy.poison_after()  # a malformed threshold refuses the start
 
 

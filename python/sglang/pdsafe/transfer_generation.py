@@ -613,6 +613,14 @@ def known_generation(kv_mgr: Any, room: int, generation: int) -> bool:
                    for gens in (state.retired.get(int(room)) or {}).values())
 
 
+def room_has_metadata(kv_mgr: Any, room: int) -> bool:
+    """Prefill: whether some decode endpoint sent metadata for ``room`` that this prefill
+    recorded (current or replaced)."""
+    state = _prefill_rooms(kv_mgr)
+    with state.lock:
+        return bool(state.rooms.get(int(room)) or state.retired.get(int(room)))
+
+
 def sent_generation(kv_mgr: Any, room: int) -> int | None:
     """Decode: the transfer generation the room's latest metadata carried to its prefill (only
     a prefill of this release gets one), kept past the receiver's release like

@@ -65,7 +65,13 @@ from typing import Any
 from sglang.pdsafe import metrics, peer_release, policy, transfer, transfer_generation
 from sglang.pdsafe.log_limit import LogLimit
 from sglang.pdsafe.policy import Outcome, hook, returns
-from sglang.pdsafe.protections import Protection, off_by, register, switch_on
+from sglang.pdsafe.protections import (
+    Protection,
+    off_by,
+    positive_seconds,
+    register,
+    switch_on,
+)
 
 logger = logging.getLogger("sglang.pdsafe.unclaimed_rooms")
 
@@ -108,22 +114,8 @@ def enabled() -> bool:
 def timeout_s() -> float:
     """How long a room's metadata may wait for its sender; a bad value raises (at startup).
     Read on every metadata message: the parse is cached per raw value."""
-    return _timeout_of(os.environ.get(ENV_TIMEOUT, "").strip())
-
-
-@functools.lru_cache(maxsize=4)
-def _timeout_of(raw: str) -> float:
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError as e:
-        raise ValueError(f"{ENV_TIMEOUT}={raw!r} is not a number of seconds; give e.g. "
-                         f"{DEFAULT_TIMEOUT_S:.0f}") from e
-    if value <= 0:
-        raise ValueError(f"{ENV_TIMEOUT}={raw!r} must be positive (seconds a decode's metadata "
-                         f"may wait for the room's request on this prefill)")
-    return value
+    return positive_seconds(ENV_TIMEOUT, DEFAULT_TIMEOUT_S, "a decode's metadata may wait for "
+                            "the room's request on this prefill")
 
 
 def limit() -> int:
