@@ -254,7 +254,8 @@ def bench_mha(args: argparse.Namespace, page_size: int, cands: Sequence[Candidat
     scratch = torch.empty((args.tokens, row_bytes), dtype=torch.uint8)
     scratch_np = scratch.numpy()
     np_bufs = [b.numpy() for b in bufs]
-    runs = list(zip(*(a.tolist() for a in kd._runs(idx.numpy()))))  # (first slot, rows)
+    firsts, lens = kd._runs(idx.numpy())  # consecutive-slot runs (pages, or longer)
+    runs = list(zip(firsts.tolist(), lens.tolist(), strict=True))
 
     cells: list[tuple[str, str, Callable[[], Any]]] = []
     for c in cands:
