@@ -356,3 +356,34 @@ def test_a_registered_buffer_nobody_classified_fails_closed(monkeypatch):
     assert commit_gate.admit_commit(dq, dreq) is False
     assert dreq.req.finished_reason.status_code == HTTPStatus.INTERNAL_SERVER_ERROR
     assert metrics.value(cov.FAILED) == before + 1
+
+
+def _with_key(monkeypatch, key):
+    from sglang.pdsafe import bootstrap_auth
+
+    if key is None:
+        monkeypatch.delenv(bootstrap_auth.ENV_TOKEN, raising=False)
+    else:
+        monkeypatch.setenv(bootstrap_auth.ENV_TOKEN, key)
+
+
+def test_the_row_is_keyed_with_the_cluster_key(monkeypatch):
+    """With a cluster key, slot 2 is keyed: a row written under another key (someone who can
+    write decode's metadata memory and knows the generation, but holds no key) is refused; a
+    decode accepting both keys of a rotation takes the prefill's; unkeyed legs still pair."""
+    from sglang.pdsafe import control_mac
+
+    monkeypatch.delenv(control_mac.ENV_ENABLE, raising=False)
+    a, b = "cluster-key-a" * 3, "cluster-key-b" * 3
+    _with_key(monkeypatch, a)  # the prefill attests under key a
+    _, dq, dreq = _aux_roundtrip(monkeypatch)
+    assert cov.check_commit_hook(dq, dreq).ok
+    _with_key(monkeypatch, b)  # a decode holding only key b
+    v = cov.check_commit_hook(dq, dreq)
+    assert v.outcome is cov.Outcome.MISMATCH and v.differs == ("token_digest",)
+    _with_key(monkeypatch, f"{b},{a}")  # rotation: signs with b, accepts a too
+    assert cov.check_commit_hook(dq, dreq).ok
+    _with_key(monkeypatch, None)  # an unkeyed decode cannot check a keyed row either
+    assert not cov.check_commit_hook(dq, dreq).ok
+    _, dq, dreq = _aux_roundtrip(monkeypatch)  # both unkeyed
+    assert cov.check_commit_hook(dq, dreq).ok

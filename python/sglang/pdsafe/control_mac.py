@@ -238,6 +238,12 @@ def _keys_of(kv_mgr: Any) -> tuple[bytes, ...]:
     return keys(_process_server_args[-1] if _process_server_args else None)
 
 
+def row_keys() -> tuple[bytes, ...]:
+    """This process's MAC keys (signing key first; empty: unsigned), which also key the
+    coverage row (:mod:`sglang.pdsafe.coverage`)."""
+    return _keys_of(None)
+
+
 def launcher_starting(server_args: Any) -> None:
     """The launcher process (``startup.launching``), where the HTTP layer's peer-release
     notifier runs: its notices are signed with the keys its schedulers sign with."""

@@ -62,6 +62,11 @@ MORI; an earlier prefix of the series) both sides bind 0: the row is then only a
 room. It also attests what prefill *claims* to have written, not the bytes in the pages (that
 is the KV digest's job, whose row binds the generation too).
 
+**Keyed** (layout 3). With a cluster key (:mod:`sglang.pdsafe.control_mac`), slot 2 is a
+keyed BLAKE2b under the signing MAC key; decode accepts a row under any key it accepts (a
+rotation in progress). Someone who can write decode's metadata memory but holds no key cannot
+make a row decode accepts, even knowing the generation (which travels in clear).
+
 **Aux data** (layout 3). The other rows of the request's metadata slot travel in the same aux
 transfer: the first output token (``output_ids``), the cached-token counts, the first token's
 logprobs and top logprobs, the sampling mask, EAGLE's top-k and hidden states (which seed
@@ -190,12 +195,24 @@ def token_digest(room: int, token_ids: Sequence[int]) -> int:
                 np.ascontiguousarray(arr))
 
 
-def bind_transfer(digest: int, generation: int, aux: int) -> int:
+def bind_transfer(digest: int, generation: int, aux: int, key: bytes = b"") -> int:
     """Slot 2's value: the token digest bound to the transfer's generation (0: none travels)
-    and to the digest of the slot's aux rows (:func:`aux_digest`)."""
-    return _h63(b"pdsafe-cov3", (int(digest) & _U64).to_bytes(8, "little"),
-                (int(generation) & _U64).to_bytes(8, "little"),
-                (int(aux) & _U64).to_bytes(8, "little"))
+    and to the digest of the slot's aux rows (:func:`aux_digest`), keyed with the cluster's
+    MAC key when one is configured (``key``; empty: unkeyed), so that only a holder of the key
+    can produce a row decode accepts."""
+    h = hashlib.blake2b(digest_size=8, key=bytes(key)[:64])
+    for part in (b"pdsafe-cov3", (int(digest) & _U64).to_bytes(8, "little"),
+                 (int(generation) & _U64).to_bytes(8, "little"),
+                 (int(aux) & _U64).to_bytes(8, "little")):
+        h.update(part)
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def _row_keys() -> tuple[bytes, ...]:
+    """The cluster's MAC keys (signing key first); ``(b"",)`` on an unkeyed leg."""
+    from sglang.pdsafe import control_mac
+
+    return control_mac.row_keys() or (b"",)
 
 
 class UnboundAuxBuffer(RuntimeError):
@@ -453,7 +470,7 @@ def attest_prefill_hook(metadata_buffers: Any, req: Any, end_idx: int, page_size
                          int(page_size))
     aux = aux_digest(aux_rows(metadata_buffers, req.metadata_buffer_index))
     cov = replace(cov, token_digest=bind_transfer(cov.token_digest, _prefill_generation(req),
-                                                  aux))
+                                                  aux, _row_keys()[0]))
     buf = metadata_buffers.bootstrap_room
     row = encode(cov)
     buf[req.metadata_buffer_index, 1:ROW_WIDTH] = torch.tensor(
@@ -473,10 +490,13 @@ def check_commit_hook(transfer_queue: Any, decode_req: Any) -> Verdict:
             "decode recorded no reservation for it, so its coverage cannot be checked; the "
             "request was not decoded. This is an sglang-pdsafe bug: please report it."))
     buffers, index = transfer_queue.metadata_buffers, decode_req.metadata_buffer_index
-    bound = replace(reservation, token_digest=bind_transfer(
-        reservation.token_digest, _decode_generation(decode_req),
-        aux_digest(aux_rows(buffers, index))))
-    return verify(buffers.bootstrap_room[index].tolist(), bound, rid)
+    generation = _decode_generation(decode_req)
+    aux = aux_digest(aux_rows(buffers, index))
+    row = buffers.bootstrap_room[index].tolist()
+    verdicts = [verify(row, replace(reservation, token_digest=bind_transfer(
+        reservation.token_digest, generation, aux, key)), rid) for key in _row_keys()]
+    # Any accepted key (a rotation in progress); else the verdict under the signing key.
+    return next((v for v in verdicts if v.ok), verdicts[0])
 
 
 def admit(transfer_queue: Any, decode_req: Any) -> bool:
