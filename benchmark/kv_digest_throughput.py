@@ -319,23 +319,12 @@ def bench_vectorized_5d(args: argparse.Namespace, page_size: int, rep: Report) -
     """MHA in ROCm AITER's vectorized_5d layout (each token's row strided through its page
     block), same shape as the MHA rows. Upstream builds it only on ROCm: its platform flag is
     set for the constructor alone (the layout needs AITER to be written, not to be laid out)."""
+    from pdsafe_testkit.pools import vectorized_5d_pool
     from sglang.pdsafe import kv_digest as kd
-    from sglang.srt.mem_cache import memory_pool as mp
 
     dtype = getattr(torch, args.dtype)
-    old_env, old_flag = os.environ.get("SGLANG_AITER_KV_CACHE_LAYOUT"), mp._use_aiter
-    os.environ["SGLANG_AITER_KV_CACHE_LAYOUT"], mp._use_aiter = "vectorized_5d", True
-    try:
-        pool = mp.MHATokenToKVPool(size=args.pool_tokens, page_size=page_size, dtype=dtype,
-                                   head_num=args.heads, head_dim=args.head_dim,
-                                   layer_num=args.layers, device="cpu",
-                                   enable_memory_saver=False, enable_alt_stream=False)
-    finally:
-        mp._use_aiter = old_flag
-        if old_env is None:
-            os.environ.pop("SGLANG_AITER_KV_CACHE_LAYOUT", None)
-        else:
-            os.environ["SGLANG_AITER_KV_CACHE_LAYOUT"] = old_env
+    pool = vectorized_5d_pool(size=args.pool_tokens, page_size=page_size, heads=args.heads,
+                              head_dim=args.head_dim, layers=args.layers, dtype=dtype)
     _fill_random(pool, seed=5)
     row = _request_row(args.pool_tokens, page_size, args.tokens, seed=6)
     nbytes = 2 * args.layers * args.tokens * args.heads * args.head_dim * dtype.itemsize

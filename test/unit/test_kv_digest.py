@@ -141,26 +141,10 @@ def case_mha(page_size: int = 16, dtype: torch.dtype = torch.bfloat16, heads: in
 
 def _vectorized_5d_pool(page_size: int = 16, heads: int = 2, head_dim: int = 32,
                         size: int = 512) -> Any:
-    """A real ``MHATokenToKVPool`` in ROCm AITER's ``vectorized_5d`` layout, built on the CPU
-    by upstream's own constructor (only its platform flag is set for the build: the layout
-    needs AITER's kernels to be *written*, not to be laid out)."""
-    import os
+    from pdsafe_testkit.pools import vectorized_5d_pool
 
-    old_env, old_flag = os.environ.get("SGLANG_AITER_KV_CACHE_LAYOUT"), mp._use_aiter
-    os.environ["SGLANG_AITER_KV_CACHE_LAYOUT"] = "vectorized_5d"
-    mp._use_aiter = True
-    try:
-        pool = mp.MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.bfloat16,
-                                   head_num=heads, head_dim=head_dim, layer_num=2,
-                                   enable_alt_stream=False, **CPU)
-    finally:
-        mp._use_aiter = old_flag
-        if old_env is None:
-            os.environ.pop("SGLANG_AITER_KV_CACHE_LAYOUT", None)
-        else:
-            os.environ["SGLANG_AITER_KV_CACHE_LAYOUT"] = old_env
-    assert pool.kv_cache_layout == "vectorized_5d" and pool.k_buffer[0].dim() == 5
-    return pool
+    return vectorized_5d_pool(size=size, page_size=page_size, heads=heads, head_dim=head_dim,
+                              layers=2)
 
 
 def _v5d_slot_regions(pool: Any, slots: list[int]) -> list[Region]:

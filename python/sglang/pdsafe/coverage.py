@@ -493,10 +493,15 @@ def check_commit_hook(transfer_queue: Any, decode_req: Any) -> Verdict:
     generation = _decode_generation(decode_req)
     aux = aux_digest(aux_rows(buffers, index))
     row = buffers.bootstrap_room[index].tolist()
-    verdicts = [verify(row, replace(reservation, token_digest=bind_transfer(
-        reservation.token_digest, generation, aux, key)), rid) for key in _row_keys()]
-    # Any accepted key (a rotation in progress); else the verdict under the signing key.
-    return next((v for v in verdicts if v.ok), verdicts[0])
+    first: Verdict | None = None
+    for key in _row_keys():  # any accepted key (a rotation); else the signing key's verdict
+        v = verify(row, replace(reservation, token_digest=bind_transfer(
+            reservation.token_digest, generation, aux, key)), rid)
+        if v.ok:
+            return v
+        first = first or v
+    assert first is not None  # _row_keys() is never empty
+    return first
 
 
 def admit(transfer_queue: Any, decode_req: Any) -> bool:
