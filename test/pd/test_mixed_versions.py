@@ -38,11 +38,11 @@ it pairs, before it announces itself or sends any metadata, so it refuses in bot
 
 * **prefill of another release, fork decode**: every request fails at once on both legs with
   the decode's refusal naming both versions (``wire_version: prefill='sglang-pdsafe-pair/2',
-  decode='sglang-pdsafe-pair/6'``), never a hang and never an HTTP 200; the decode counts the
+  decode='sglang-pdsafe-pair/7'``), never a hang and never an HTTP 200; the decode counts the
   prefill once (``pair_setting_mismatch``); the prefill refuses nothing (it never gets a
   decode's metadata); both servers keep running.
 * **fork prefill, decode of another release**: the same, with the versions the other way
-  round (``prefill='sglang-pdsafe-pair/6', decode='sglang-pdsafe-pair/2'``).
+  round (``prefill='sglang-pdsafe-pair/7', decode='sglang-pdsafe-pair/2'``).
 * **same release, another cluster key on the decode**: refused at pairing the same way, the
   error naming both legs' key ids (``control_key: prefill='blake2b-mac:…', decode=…``), never
   the keys; no message reaches the prefill.

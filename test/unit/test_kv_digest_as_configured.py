@@ -60,6 +60,7 @@ def server_kv_checker(mode: str, pool) -> object:
 
     sched = _scheduler(pool)
     manager = SimpleNamespace(kv_args=SimpleNamespace())
+    buffers = w._buffers(mode)  # upstream's real MetadataBuffers (the init checks them, 0033)
     with published_pd_context(mode), \
             patch.object(prefill_mod, "get_parallel", _parallel), \
             patch.object(decode_mod, "get_parallel", _parallel):
@@ -67,7 +68,7 @@ def server_kv_checker(mode: str, pool) -> object:
             q = prefill_mod.PrefillBootstrapQueue
             with patch.object(q, "_init_kv_manager", return_value=manager):
                 q(token_to_kv_pool=pool, draft_token_to_kv_pool=None,
-                  req_to_metadata_buffer_idx_allocator=None, metadata_buffers=None, gpu_id=0,
+                  req_to_metadata_buffer_idx_allocator=None, metadata_buffers=buffers, gpu_id=0,
                   bootstrap_port=0, max_total_num_tokens=POOL_TOKENS, scheduler=sched,
                   scheduler_stage_metrics=None, transfer_backend=None)
         else:
@@ -76,7 +77,7 @@ def server_kv_checker(mode: str, pool) -> object:
                 q(req_to_token_pool=None,
                   token_to_kv_pool_allocator=sched.token_to_kv_pool_allocator,
                   draft_token_to_kv_pool=None, req_to_metadata_buffer_idx_allocator=None,
-                  metadata_buffers=None, scheduler=sched, transfer_queue=None, tree_cache=None,
+                  metadata_buffers=buffers, scheduler=sched, transfer_queue=None, tree_cache=None,
                   gpu_id=0, bootstrap_port=0, max_total_num_tokens=POOL_TOKENS,
                   num_reserved_decode_tokens=0, transfer_backend=None)
     assert sched.kv_checksum_computer != "unset by the queue init", "the init set nothing"

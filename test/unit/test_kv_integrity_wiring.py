@@ -29,6 +29,8 @@ from unittest.mock import MagicMock, patch
 import pytest
 import torch
 from sglang.pdsafe import (
+    bootstrap_auth,
+    control_mac,
     coverage,
     kv_digest,
     kv_integrity,
@@ -52,7 +54,8 @@ INJECT_ENV = "SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB"
 @pytest.fixture(autouse=True)
 def _env(monkeypatch):
     for var in (kv_integrity.ENV_ENABLE, peer_policy.ENV_WAIVE, INJECT_ENV, coverage.ENV_MODE,
-                pair_agreement.ENV_ENABLE, pair_agreement.ENV_SKIP):
+                pair_agreement.ENV_ENABLE, pair_agreement.ENV_SKIP, bootstrap_auth.ENV_TOKEN,
+                control_mac.ENV_ENABLE):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -307,7 +310,8 @@ def test_row_roundtrip_check_word_and_int64_storage():
     assert words[kv_integrity.SLOT_TAG] >> 40 == kv_integrity.TAG
     assert 0 < words[kv_integrity.SLOT_TAG] < (1 << 63)  # positive as int64 (Ascend)
     full = kv_integrity.Digester(p.pool).digest(p, req, prefix=0, length=TOKENS, room=ROOM)
-    assert row.value == full.value and row.signature_hi == full.signature[:8]
+    assert row.value == kv_integrity.seal(full) and row.signature_hi == full.signature[:8]
+    assert row.value != full.value  # sealed, not the bare XXH3 value
     as_i64 = torch.zeros((1, 8), dtype=torch.int64)
     kv_integrity.write_row(as_i64, 0, words)
     assert kv_integrity.decode_row(as_i64[0].tolist()) == row
@@ -450,6 +454,55 @@ def test_a_corrupt_row_is_refused():
     batch, release = d.verify()
     _assert_failed(d, batch, release, "fails its check")
     assert _delta(before) == {kv_integrity.INVALID: 1}
+
+
+def _with_key(monkeypatch, key: str | None) -> None:
+    if key is None:
+        monkeypatch.delenv(bootstrap_auth.ENV_TOKEN, raising=False)
+    else:
+        monkeypatch.setenv(bootstrap_auth.ENV_TOKEN, key)
+
+
+def _forge(d: _Decode, key: bytes) -> None:
+    """What a keyless party that can write decode's pages and its metadata row does (one-sided
+    RDMA reaches both): KV of its choosing in the pages, and a row for exactly those bytes
+    (XXH3 is public), sealed under ``key``, its guess."""
+    _owned_bytes(d, 0)[0][0] ^= 0x40
+    chosen = d.digester.digest(d.sched, d.req, prefix=0, length=TOKENS, room=ROOM)
+    kv_integrity.write_row(d.buffers.kv_checksum, DECODE_IDX,
+                           kv_integrity.encode_row(chosen, key))
+    d.commit()
+
+
+def test_the_row_is_sealed_with_the_cluster_key(monkeypatch):
+    """Unkeyed, the row is a checksum: whoever writes the pages can write a matching row (the
+    forged transfer verifies). With a cluster key, a row sealed under any other key (or none)
+    fails as a mismatch naming the key; a decode accepting both keys of a rotation takes the
+    prefill's; a decode holding only another key refuses an honest row."""
+    d = _transfer()
+    _forge(d, b"")
+    batch, release = d.verify()
+    _assert_passed(d, batch, release)  # what the key closes
+    a, b = "cluster-key-a" * 3, "cluster-key-b" * 3
+    _with_key(monkeypatch, a)
+    d = _transfer()
+    batch, release = d.verify()
+    _assert_passed(d, batch, release)
+    for guess in (b"", b"cluster-key-a", b"a guessed key"):
+        d = _transfer()
+        _forge(d, guess)
+        before = _counts()
+        batch, release = d.verify()
+        _assert_failed(d, batch, release, "differ from what prefill sent", "cluster key")
+        assert _delta(before) == {kv_integrity.MISMATCH: 1}
+    d = _transfer()  # sealed under a
+    _with_key(monkeypatch, f"{b},{a}")  # rotation: signs with b, accepts a too
+    batch, release = d.verify()
+    _assert_passed(d, batch, release)
+    d = _transfer()  # sealed under b
+    _with_key(monkeypatch, a)
+    batch, release = d.verify()
+    _assert_failed(d, batch, release, "cluster key")
 
 
 def test_a_peer_the_backend_cannot_compare_is_a_failure_not_a_skip():

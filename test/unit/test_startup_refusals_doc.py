@@ -41,6 +41,8 @@ MIN_QUOTE = 24
 NOT_A_STARTUP_REFUSAL: dict[tuple[str, str], str] = {
     ("page_generation", "_parts"): "its reason is embedded in install's refusal (the '…' after "
                                    "'uses what they do not cover:')",
+    ("coverage", "aux_rows"): "its reason is embedded in check_aux_buffers' refusal (the '…' "
+                              "after 'refuses to start:')",
 }
 
 

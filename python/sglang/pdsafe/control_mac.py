@@ -239,9 +239,10 @@ def _keys_of(kv_mgr: Any) -> tuple[bytes, ...]:
 
 
 def row_keys() -> tuple[bytes, ...]:
-    """This process's MAC keys (signing key first; empty: unsigned), which also key the
-    coverage row (:mod:`sglang.pdsafe.coverage`)."""
-    return _keys_of(None)
+    """The keys that seal this process's checked metadata rows, the coverage row
+    (:mod:`sglang.pdsafe.coverage`) and the KV digest row (:mod:`sglang.pdsafe.kv_integrity`):
+    its MAC keys, signing key first, or ``(b"",)`` on an unkeyed leg (never empty)."""
+    return _keys_of(None) or (b"",)
 
 
 def launcher_starting(server_args: Any) -> None:

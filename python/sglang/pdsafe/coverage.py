@@ -209,10 +209,11 @@ def bind_transfer(digest: int, generation: int, aux: int, key: bytes = b"") -> i
 
 
 def _row_keys() -> tuple[bytes, ...]:
-    """The cluster's MAC keys (signing key first); ``(b"",)`` on an unkeyed leg."""
+    """The cluster's MAC keys (signing key first); ``(b"",)`` on an unkeyed leg
+    (:func:`control_mac.row_keys`, imported here: control_mac imports this module's users)."""
     from sglang.pdsafe import control_mac
 
-    return control_mac.row_keys() or (b"",)
+    return control_mac.row_keys()
 
 
 class UnboundAuxBuffer(RuntimeError):
@@ -233,12 +234,37 @@ def aux_rows(metadata_buffers: Any, index: int) -> list[tuple[str, torch.Tensor]
     unknown = [i for i, p in enumerate(ptrs) if p not in by_ptr]
     if unknown:
         raise UnboundAuxBuffer(
-            f"the KV transfer registers metadata buffer(s) {unknown} of {len(ptrs)} that "
-            "sglang-pdsafe neither binds into the coverage row nor checks otherwise (an "
-            "upstream field this release does not know): refusing rather than letting decode "
-            "read it unchecked; run an sglang-pdsafe release made for this upstream")
+            "the KV transfer registers metadata buffer(s) "
+            f"{_name_buffers(metadata_buffers, unknown)} of {len(ptrs)} that sglang-pdsafe "
+            "neither binds into the coverage row nor checks otherwise (an upstream field this "
+            "release does not know): refusing rather than letting decode read it unchecked; "
+            "run an sglang-pdsafe release made for this upstream")
     names = [by_ptr[p] for p in ptrs]
     return [(n, getattr(metadata_buffers, n)[index]) for n in names if n in AUX_FIELDS]
+
+
+def _name_buffers(metadata_buffers: Any, positions: Sequence[int]) -> str:
+    """``#i (name)`` for each registered buffer position, named by the ``MetadataBuffers``
+    attribute whose storage it is (``?`` when none is)."""
+    ptrs, _, _ = metadata_buffers.get_buf_infos()
+    names = {v.data_ptr(): k for k, v in vars(metadata_buffers).items()
+             if isinstance(v, torch.Tensor)}
+    return ", ".join(f"#{i} ({names.get(ptrs[i], '?')})" for i in positions)
+
+
+@hook("coverage.check_aux_buffers", outcome=policy.Outcome.POISON, counter=FAILED,
+      on_failure=policy.reraise_at_startup, effect="the scheduler refuses to start")
+def check_aux_buffers(metadata_buffers: Any) -> None:
+    """Scheduler init of both PD legs, once the metadata buffers exist: every buffer the
+    transfer registers is an aux field bound into the coverage row or a self-checked row.
+    Otherwise the start is refused, naming the buffers, instead of every transfer being
+    refused at commit (:class:`UnboundAuxBuffer` there too)."""
+    try:
+        aux_rows(metadata_buffers, 0)
+    except UnboundAuxBuffer as e:
+        raise policy.StartupRefusedError(
+            f"sglang-pdsafe: this PD server refuses to start: {e}. No request could be "
+            "transferred with it (the coverage check refuses each one).") from e
 
 
 def aux_digest(rows: Sequence[tuple[str, torch.Tensor]]) -> int:

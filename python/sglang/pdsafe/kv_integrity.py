@@ -28,8 +28,9 @@ its last chunk, before the aux data is posted; decode reads it when it commits t
     0     tag | check     bits 63-40 ``TAG`` ("pdK"), 39-32 ``ROW_VERSION``, 31-0 the
                           low 32 bits of XXH3-64 over the tag word and slots 1-7
                           (0: no digest; positive as int64, Ascend's row dtype)
-    1     value (hi)      bytes 0-7 of the 16-byte XXH3-128 digest value, big-endian
-    2     value (lo)      bytes 8-15
+    1     seal (hi)       bytes 0-7 of the 16-byte seal of the digest (:func:`seal`),
+                          big-endian
+    2     seal (lo)       bytes 8-15
     3     signature       bytes 0-7 of the 16-byte layout signature digest
     4     room            bootstrap room the digest is bound to
     5     generation      transfer generation (``transfer_generation``; 0: none was sent)
@@ -37,7 +38,17 @@ its last chunk, before the aux data is posted; decode reads it when it commits t
     7     token_count     positions digested: ``[prefix, prefix + token_count)``
     ====  ==============  ============================================================
 
-Only the value and the signature carry information decode cannot derive; the bound fields
+**The seal** (row version 2) is a BLAKE2b-128 of the XXH3-128 digest value, prefill's full
+layout signature digest and the bound fields, keyed with the cluster's MAC key
+(:func:`control_mac.row_keys`; unkeyed on a leg without one). The XXH3 value alone is a
+checksum anyone can compute: a keyless party able to write decode's pages and its metadata row
+(one-sided RDMA reaches both) could write KV of its choosing and a row that matches it. Under a
+key it cannot: decode recomputes the seal of its own digest under each key it accepts (the
+signing key and, during a rotation, the old one) and takes the row only if one matches. A row
+sealed under another key fails as a value mismatch. Row version 1 (the unkeyed value of an
+earlier release) is "another sglang-pdsafe release", like any unknown version.
+
+Only the seal and the signature carry information decode cannot derive; the bound fields
 travel so that a digest for another transfer is reported as such (``BINDING``, both values)
 instead of as corrupt KV. The row holds the upper 64 bits of the signature digest: a layout
 that differs in them is reported as a layout mismatch; one that differs only in the lower 64
@@ -88,6 +99,7 @@ so a row written for another reservation of the same room never verifies (``BIND
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import struct
 from dataclasses import dataclass, replace
@@ -120,7 +132,8 @@ ROW_WIDTH = 8
  SLOT_PREFIX, SLOT_COUNT) = range(ROW_WIDTH)
 #: "pdK": the upper 24 bits of slot 0 (its top bit is 0: positive as int64).
 TAG = 0x70644B
-ROW_VERSION = 1
+#: 2: slots 1-2 carry the keyed seal of the value (:func:`seal`); 1 carried the bare value.
+ROW_VERSION = 2
 _TAG_WORD = (TAG << 40) | (ROW_VERSION << 32)
 _U64 = (1 << 64) - 1
 _U32 = (1 << 32) - 1
@@ -188,9 +201,35 @@ def _check32(slots: list[int]) -> int:
     return xxhash.xxh3_64_intdigest(raw) & _U32
 
 
-def encode_row(d: Any) -> list[int]:
-    """The 8-slot row (unsigned 64-bit words) for the :class:`kv_digest.KvDigest` ``d``."""
-    v_hi, v_lo, s_hi, _ = d.to_words()
+def seal(d: Any, key: bytes = b"") -> bytes:
+    """The 16 bytes slots 1-2 carry for the :class:`kv_digest.KvDigest` ``d``: BLAKE2b-128 of
+    its value, its full signature digest and its bound fields, keyed with ``key`` (the cluster
+    MAC key; empty: unkeyed). Without the key nobody can produce the seal of bytes they chose,
+    and a seal binds exactly one (value, layout, room, generation, range)."""
+    for v in (d.room, d.generation, d.prefix, d.token_count):
+        if not 0 <= int(v) <= _U64:
+            raise ValueError(f"KV digest row field out of range: {v}")
+    h = hashlib.blake2b(digest_size=16, key=bytes(key)[:64])
+    h.update(b"pdsafe-kvd-row2")
+    h.update(bytes(d.value))
+    h.update(bytes(d.signature))
+    h.update(struct.pack("<4Q", int(d.room), int(d.generation), int(d.prefix),
+                         int(d.token_count)))
+    return h.digest()
+
+
+def _row_keys() -> tuple[bytes, ...]:
+    from sglang.pdsafe import control_mac  # control_mac's imports reach this module
+
+    return control_mac.row_keys()
+
+
+def encode_row(d: Any, key: bytes = b"") -> list[int]:
+    """The 8-slot row (unsigned 64-bit words) for the :class:`kv_digest.KvDigest` ``d``,
+    its value sealed with ``key`` (:func:`seal`)."""
+    sealed = seal(d, key)
+    v_hi, v_lo = int.from_bytes(sealed[:8], "big"), int.from_bytes(sealed[8:], "big")
+    s_hi = int.from_bytes(bytes(d.signature)[:8], "big")
     body = [v_hi, v_lo, s_hi, d.room, d.generation, d.prefix, d.token_count]
     for v in body[3:]:
         if not 0 <= int(v) <= _U64:
@@ -200,7 +239,8 @@ def encode_row(d: Any) -> list[int]:
 
 @dataclass(frozen=True)
 class RowDigest:
-    """What a valid row says: prefill's value, the upper half of its signature, the bounds."""
+    """What a valid row says: prefill's sealed value (:func:`seal`), the upper half of its
+    signature, the bounds."""
 
     value: bytes
     signature_hi: bytes
@@ -360,7 +400,7 @@ def prefill_write_row(scheduler: Any, req: Any, digester: Digester,
     d = digester.digest(scheduler, req, prefix=prefix, length=int(end_idx),
                         room=int(req.bootstrap_room or 0),
                         generation=_prefill_generation(req))
-    write_row(buf, index, encode_row(d))
+    write_row(buf, index, encode_row(d, _row_keys()[0]))
     return True
 
 
@@ -504,8 +544,11 @@ def check_request(scheduler: Any, req: Any, digester: Digester, *, kv_manager: A
     expected = kv_digest.KvDigest(
         room=row.room, generation=row.generation, prefix=row.prefix,
         token_count=row.token_count, value=row.value,
-        # The row has the upper 64 bits; the value binds prefill's full signature digest.
+        # The row has the upper 64 bits; the seal binds prefill's full signature digest.
         signature=row.signature_hi + actual.signature[8:])
+    keys = _row_keys()
+    seals = [seal(actual, k) for k in keys]  # any accepted key (a rotation), else the signer's
+    actual = replace(actual, value=row.value if row.value in seals else seals[0])
     verdict = kv_digest.verify(expected, actual, rid=_rid(req))
     if verdict.ok:
         _verified(rec, count=True)
@@ -513,6 +556,10 @@ def check_request(scheduler: Any, req: Any, digester: Digester, *, kv_manager: A
     counter = {kv_digest.Outcome.MISMATCH: MISMATCH,
                kv_digest.Outcome.MISSING: MISSING}.get(verdict.outcome, INVALID)
     message = verdict.message
+    if verdict.outcome is kv_digest.Outcome.MISMATCH and keys != (b"",):
+        message += (" (or the row was not sealed with a cluster key this decode accepts: "
+                    "both legs need the same SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN, or "
+                    "--api-key)")
     if verdict.outcome is kv_digest.Outcome.LAYOUT:
         message += (f" (signature {row.signature_hi.hex()} vs {actual.signature[:8].hex()}; "
                     f"decode's layout: {actual.signature_text})")

@@ -47,7 +47,9 @@ from sglang.pdsafe import transfer
 #: /6: the coverage row binds the metadata slot's aux rows (layout 3), and a keyed leg signs
 #: (and requires signed) ABORT, ABORT_ACK and BOOTSTRAP: a /5 leg's coverage rows would all be
 #: refused and its unsigned ABORTs dropped, so /5 pairs are refused at pairing.
-WIRE_VERSION = "sglang-pdsafe-pair/6"
+#: /7: the KV digest row carries the digest sealed with the cluster key (``kv_integrity`` row
+#: version 2): a /6 leg's rows would all read as another release's, so /6 pairs are refused.
+WIRE_VERSION = "sglang-pdsafe-pair/7"
 #: This process's incarnation (see the module doc).
 INCARNATION = secrets.token_hex(8)
 #: Prefills remembered per decode; the oldest are forgotten first.
