@@ -2,16 +2,23 @@
 issue 21, items 1 and 3), on upstream's real ``CommonKVBootstrapServer`` over loopback HTTP and
 the prefill rank's real registration call (``CommonKVManager._register_topology_row``).
 
-Shown: a ``PUT /route`` or ``POST /register_dp_rank`` without the key, or with another key, is
-answered 401, counted, and changes nothing (the decodes' ``GET /route`` still returns the real
-rank's address); with the check off, the same PUT re-points the rank (the CVE-2026-92972 attack
-works on upstream's code, so these tests can see it); the rank's own registration carries the
-key; a rotation accepts both keys; the key's sources and the start refusals.
+Shown: a ``PUT /route`` or ``POST /register_dp_rank`` without the key, with another key, or
+with the right key as a bearer token, is answered 401, counted, and changes nothing (the
+decodes' ``GET /route`` still returns the real rank's address); with the check off, the same
+PUT re-points the rank (the CVE-2026-92972 attack works on upstream's code, so these tests can
+see it); the rank's own registration is signed and never carries the key; a captured signed
+write cannot be replayed, re-dated or given another body; a rotation accepts both keys; the
+key's sources and the start refusals. Signatures are also built here independently, from the
+scheme the module documents, so the test checks the scheme, not only the code against itself.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -72,6 +79,20 @@ def _register(base: str) -> None:
     CommonKVManager._register_topology_row(SimpleNamespace(), base + "/route", dict(ROW))
 
 
+def _signed(key: str, what: str, body: bytes, ts: float | None = None) -> dict[str, str]:
+    """A signed write's header, from the documented scheme (not the module's code)."""
+    wkey = hmac.new(key.encode(), b"sglang-pdsafe bootstrap write 1", hashlib.sha256).digest()
+    t, nonce = int(time.time() if ts is None else ts), secrets.token_hex(16)
+    mac = hmac.new(wkey, f"{what}\n{t}\n{nonce}\n".encode() + hashlib.sha256(body).digest(),
+                   hashlib.sha256).hexdigest()
+    return {"Authorization": f"PDSAFE-HMAC1 ts={t},nonce={nonce},mac={mac}",
+            "Content-Type": "application/json"}
+
+
+def _put(base: str, body: bytes, hdrs: dict[str, str]) -> requests.Response:
+    return requests.put(base + "/route", data=body, headers=hdrs, timeout=10)
+
+
 def _rank(base: str) -> tuple[str, int]:
     got = requests.get(base + "/route" + RANK_QUERY, timeout=10)
     assert got.status_code == 200, got.text
@@ -94,6 +115,11 @@ def test_a_write_without_the_key_is_refused_401_and_changes_nothing(bootstrap: s
         requests.put(bootstrap + "/route", json=ATTACKER, timeout=10,  # the key, no scheme
                      headers={"Authorization": os.environ.get(bootstrap_auth.ENV_PREPARED,
                                                               "")}),
+        requests.put(bootstrap + "/route", json=ATTACKER, timeout=10,  # the key, in clear
+                     headers={"Authorization": "Bearer " + os.environ.get(
+                         bootstrap_auth.ENV_PREPARED, "")}),
+        _put(bootstrap, json.dumps(ATTACKER).encode(),  # signed under a guessed key
+             _signed("guessed", "PUT /route", json.dumps(ATTACKER).encode())),
         requests.post(bootstrap + "/register_dp_rank", timeout=10,
                       json={"bootstrap_room": 7, "dp_rank": 0}),
     ]
@@ -117,15 +143,51 @@ def test_with_the_check_off_the_same_put_re_points_the_rank(monkeypatch) -> None
         server.close()
 
 
-def test_a_rotation_accepts_both_keys_and_sends_the_first(monkeypatch) -> None:
+def test_a_captured_write_cannot_be_replayed_redated_or_reused(bootstrap: str) -> None:
+    """What a party on the cluster network sees of the rank's registration is of no use to
+    it: the key is not in it; sent again it is refused (replay); its header on another body
+    is refused (the attacker's address); a signature dated outside the window is refused."""
+    key = os.environ[bootstrap_auth.ENV_PREPARED]
+    seen = bootstrap_auth.signed_write("PUT /route", dict(ROW))
+    assert key not in json.dumps(seen["headers"]) and key.encode() not in seen["data"]
+    assert _put(bootstrap, seen["data"], seen["headers"]).status_code == 200
+    assert _rank(bootstrap) == ("127.0.0.1", 17001)
+    before = {c: metrics.value(c) for c in (bootstrap_auth.UNAUTHORIZED, bootstrap_auth.STALE)}
+    attacker = json.dumps(ATTACKER).encode()
+    late = time.time() - bootstrap_auth.FRESH_S - 5
+    early = time.time() + bootstrap_auth.FRESH_S + 5
+    for body, hdrs, counter in (
+            (seen["data"], seen["headers"], bootstrap_auth.STALE),  # replayed as captured
+            (attacker, seen["headers"], bootstrap_auth.UNAUTHORIZED),  # another body
+            (attacker, _signed(key, "POST /register_dp_rank", attacker),  # another endpoint
+             bootstrap_auth.UNAUTHORIZED),
+            (attacker, _signed(key, "PUT /route", attacker, ts=late), bootstrap_auth.STALE),
+            (attacker, _signed(key, "PUT /route", attacker, ts=early), bootstrap_auth.STALE)):
+        r = _put(bootstrap, body, hdrs)
+        assert r.status_code == 401, (r.status_code, r.text)
+        before[counter] += 1
+        assert {c: metrics.value(c) for c in before} == before
+    assert _rank(bootstrap) == ("127.0.0.1", 17001), "a refused write re-pointed the rank"
+    fresh = _signed(key, "PUT /route", attacker)  # only a holder of the key gets through
+    assert _put(bootstrap, attacker, fresh).status_code == 200
+    assert _rank(bootstrap) == ("10.66.66.66", 6666)
+
+
+def test_a_rotation_accepts_both_keys_and_signs_with_the_first(monkeypatch) -> None:
     monkeypatch.setenv(bootstrap_auth.ENV_TOKEN, "new-key, old-key")
     server, base = _server()
     try:
-        assert bootstrap_auth.headers() == {"Authorization": "Bearer new-key"}
-        for key, want in (("new-key", 200), ("old-key", 200), ("other-key", 401)):
-            r = requests.put(base + "/route", json=dict(ROW), timeout=10,
-                             headers={"Authorization": f"Bearer {key}"})
-            assert r.status_code == want, (key, r.status_code, r.text)
+        body = json.dumps(dict(ROW)).encode()
+        ours = bootstrap_auth.headers("PUT /route", body)["Authorization"]
+        nonce = ours.split("nonce=")[1].split(",")[0]
+        ts = int(ours.split("ts=")[1].split(",")[0])
+        wkey = hmac.new(b"new-key", b"sglang-pdsafe bootstrap write 1", hashlib.sha256).digest()
+        want = hmac.new(wkey, f"PUT /route\n{ts}\n{nonce}\n".encode()
+                        + hashlib.sha256(body).digest(), hashlib.sha256).hexdigest()
+        assert ours.endswith(f"mac={want}"), "not signed with the first key, as documented"
+        for key, status in (("new-key", 200), ("old-key", 200), ("other-key", 401)):
+            r = _put(base, body, _signed(key, "PUT /route", body))
+            assert r.status_code == status, (key, r.status_code, r.text)
     finally:
         server.close()
 
@@ -158,13 +220,17 @@ def test_a_rank_that_no_key_reached_refuses_to_start(monkeypatch) -> None:
     with pytest.raises(bootstrap_auth.BootstrapKeyError, match="holds no bootstrap key"):
         bootstrap_auth.rank_starting(SimpleNamespace(api_key=None))
     bootstrap_auth.rank_starting(SimpleNamespace(api_key="sk-2"))  # a configured key works
-    assert bootstrap_auth.headers() == {"Authorization": "Bearer sk-2"}
+    assert os.environ[bootstrap_auth.ENV_PREPARED] == "sk-2"
+    assert bootstrap_auth.headers("PUT /route", b"{}")["Authorization"].startswith(
+        "PDSAFE-HMAC1 ts=")
 
 
 def test_off_sends_and_checks_nothing(monkeypatch) -> None:
     monkeypatch.setenv(bootstrap_auth.ENV_ENABLE, "0")
     assert bootstrap_auth.prepare(SimpleNamespace(api_key=None, nnodes=4)) == "off"
-    assert bootstrap_auth.headers() == {}
+    assert bootstrap_auth.headers("PUT /route", b"{}") == {}
+    assert bootstrap_auth.signed_write("PUT /route", {})["headers"] == {
+        "Content-Type": "application/json"}
     assert bootstrap_auth.refuses_write("PUT /route", {}) is None
 
 

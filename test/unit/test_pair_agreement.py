@@ -286,8 +286,8 @@ def test_prefill_settings_travel_through_the_real_bootstrap_server():
                "pdsafe_pair": settings(page_size=64).to_wire()}
         from sglang.pdsafe import bootstrap_auth
 
-        assert requests.put(url, json=row, timeout=10,
-                            headers=bootstrap_auth.headers()).status_code == 200
+        assert requests.put(url, timeout=10,
+                            **bootstrap_auth.signed_write("PUT /route", row)).status_code == 200
         query = "?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
         stock = requests.get(url + query, timeout=10).json()
         assert "pdsafe_pair" not in stock

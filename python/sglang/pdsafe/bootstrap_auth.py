@@ -26,6 +26,20 @@ The key, in this order:
 error, for operators who want the key to be explicit. ``SGLANG_PDSAFE_BOOTSTRAP_AUTH=0`` turns
 the check off (startup warning; every write is then accepted, as upstream does).
 
+**Signed writes, not a bearer key.** The key never travels. A rank signs each write: the
+``Authorization`` header is ``PDSAFE-HMAC1 ts=<unix seconds>,nonce=<32 hex>,mac=<64 hex>``,
+where ``mac`` is HMAC-SHA256, under a key derived from the bootstrap key (:func:`_write_key`),
+of the endpoint (``PUT /route``), the time, the nonce and the SHA-256 of the body. The server
+checks the MAC under every key it accepts (constant time), then freshness: the time within
+:data:`FRESH_S` of its own clock and the nonce not seen before in that window (a bounded
+cache: at most :data:`NONCE_LIMIT` nonces; a full cache refuses, fail closed). So a party that
+sees the traffic on the cluster network learns no key (upstream's open fix, #39416, sends a
+bearer token in clear: a sniffer of one registration would hold the key that also signs the
+KV control messages), cannot re-point a rank with a changed body, and cannot replay a
+captured registration (``sglang:pdsafe_bootstrap_stale_write_total``). A bearer header is
+refused like a missing key. The nodes of a multi-node prefill need clocks within
+:data:`FRESH_S` seconds of each other (NTP).
+
 The GET endpoints stay open: decodes read ``GET /route`` before they hold any key, and what it
 returns (rank addresses, layout) is what a decode needs to connect, not a secret that lets
 anyone forge a transfer message (the transfer generation and the peer checks do not depend
@@ -48,10 +62,15 @@ What this does not cover: the Rust registry (``SGLANG_RUST_SERVER``).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import json
 import logging
 import os
+import re
 import secrets
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,11 +91,18 @@ ENV_ENABLE = "SGLANG_PDSAFE_BOOTSTRAP_AUTH"
 #: the schedulers. Internal: operators set :data:`ENV_TOKEN`.
 ENV_PREPARED = "SGLANG_PDSAFE_BOOTSTRAP_KEYS"
 UNAUTHORIZED = "bootstrap_unauthorized_total"
+STALE = "bootstrap_stale_write_total"
 FAILED = "bootstrap_auth_failed_total"
 UNAUTHORIZED_STATUS = 401
 #: A refused write is logged at most this often (every one is counted).
 LOG_INTERVAL_S = 10.0
-SCHEME = "Bearer "
+SCHEME = "PDSAFE-HMAC1 "
+#: A signed write is fresh when its time is within this many seconds of the server's clock.
+FRESH_S = 30.0
+#: Nonces remembered (those of the last ``2 * FRESH_S`` seconds); a full cache refuses.
+NONCE_LIMIT = 1 << 17
+_LABEL = b"sglang-pdsafe bootstrap write 1"
+_HEADER = re.compile(r"^ts=(\d{1,12}),nonce=([0-9a-f]{32}),mac=([0-9a-f]{64})$")
 
 register(Protection(
     name="bootstrap-auth",
@@ -183,21 +209,100 @@ def _accepted() -> list[str]:
     return _split(os.environ.get(ENV_PREPARED))
 
 
-def _send_failed(failure: policy.Failure) -> dict[str, str]:
-    """The key could not be read: the registration goes without one (and is refused)."""
-    return {}
+def _write_key(key: str) -> bytes:
+    """The key that signs bootstrap writes, derived from a bootstrap key (never sent)."""
+    return hmac.new(key.encode("utf-8"), _LABEL, hashlib.sha256).digest()
 
 
-@hook("bootstrap_auth.headers", outcome=Outcome.REFUSE, counter=FAILED,
-      on_failure=_send_failed,
-      effect="the rank registers without the key and is refused (the prefill stays "
-             "unreachable; its startup says so)")
-def headers() -> dict[str, str]:
-    """The header a prefill rank's bootstrap writes carry (none when the check is off)."""
+def _mac(key: bytes, what: str, ts: int, nonce: str, body: bytes) -> bytes:
+    msg = f"{what}\n{ts}\n{nonce}\n".encode() + hashlib.sha256(body).digest()
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def headers(what: str, body: bytes, *, now: float | None = None) -> dict[str, str]:
+    """The ``Authorization`` header of the write ``what`` (``"PUT /route"``) with ``body``:
+    signed with the first accepted key, fresh (this time, a new nonce); none when the check
+    is off or no key is prepared (the server then refuses the write)."""
     keys = _accepted()
     if not enabled() or not keys:
         return {}
-    return {"Authorization": SCHEME + keys[0]}
+    ts = int(time.time() if now is None else now)
+    nonce = secrets.token_hex(16)
+    mac = _mac(_write_key(keys[0]), what, ts, nonce, body).hex()
+    return {"Authorization": f"{SCHEME}ts={ts},nonce={nonce},mac={mac}"}
+
+
+def _send_failed(failure: policy.Failure) -> dict[str, Any]:
+    """The key could not be read: the registration goes unsigned (and is refused)."""
+    return {"json": failure.args[1]}
+
+
+@hook("bootstrap_auth.signed_write", outcome=Outcome.REFUSE, counter=FAILED,
+      on_failure=_send_failed,
+      effect="the rank registers unsigned and is refused (the prefill stays unreachable; "
+             "its startup says so)")
+def signed_write(what: str, payload: Any) -> dict[str, Any]:
+    """The ``requests`` arguments of a prefill rank's bootstrap write ``what`` with the JSON
+    ``payload`` (``_register_topology_row``, ``_register_prefill_dp_rank``): the body, and
+    its signature (:func:`headers`), so the server checks exactly the bytes it reads."""
+    body = json.dumps(payload).encode()
+    return {"data": body,
+            "headers": {"Content-Type": "application/json", **headers(what, body)}}
+
+
+class _Nonces:
+    """The nonces of accepted signed writes of the last ``2 * FRESH_S`` seconds, bounded.
+
+    Invariant: a nonce is accepted at most once while its write could be fresh; when the
+    cache is full of fresh nonces a write is refused rather than a nonce forgotten."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: dict[str, float] = {}
+
+    def first_use(self, nonce: str, now: float) -> bool | None:
+        """True: new (now remembered); False: a replay; None: the cache is full."""
+        with self._lock:
+            if nonce in self._seen:
+                return False
+            if len(self._seen) >= NONCE_LIMIT:
+                horizon = now - 2 * FRESH_S
+                self._seen = {n: t for n, t in self._seen.items() if t >= horizon}
+                if len(self._seen) >= NONCE_LIMIT:
+                    return None
+            self._seen[nonce] = now
+            return True
+
+
+_nonces = _Nonces()
+
+
+def _signature_problem(got: str, what: str, body: bytes, keys: list[str],
+                       now: float) -> tuple[str, str] | None:
+    """None when ``got`` is a fresh, first-used signature of ``what`` and ``body`` under one
+    of ``keys``; else ``(counter, why)``."""
+    if not got.startswith(SCHEME):
+        return UNAUTHORIZED, ("a bearer key (this release signs its writes; a bearer key would "
+                              "travel in clear)" if got.startswith("Bearer ")
+                              else "no signed key")
+    m = _HEADER.match(got[len(SCHEME):].strip())
+    if m is None:
+        return UNAUTHORIZED, "a malformed signature"
+    ts, nonce, mac = int(m.group(1)), m.group(2), bytes.fromhex(m.group(3))
+    ok = False
+    for k in keys:  # every key compared: the time does not say which one matched
+        ok |= hmac.compare_digest(mac, _mac(_write_key(k), what, ts, nonce, body))
+    if not ok:
+        return UNAUTHORIZED, "a key this server does not accept"
+    if abs(now - ts) > FRESH_S:
+        return STALE, (f"a signature {now - ts:+.0f} s old (fresh: within {FRESH_S:.0f} s; "
+                       "a replay, or this node's clock is off)")
+    first = _nonces.first_use(nonce, now)
+    if first is None:
+        return STALE, f"more than {NONCE_LIMIT} signed writes in {2 * FRESH_S:.0f} s"
+    if not first:
+        return STALE, "a replayed signature (its nonce was used before)"
+    return None
 
 
 _log_limit = LogLimit(LOG_INTERVAL_S)
@@ -213,10 +318,11 @@ def _log(what: str, peer: str, why: str) -> None:
 
 
 def refusal_message(what: str) -> str:
-    return (f"pdsafe: {what} on this bootstrap server needs the prefill's bootstrap key "
-            f"('Authorization: Bearer <key>'); the request carried none or another. Prefill "
-            f"ranks send it themselves; operators set {ENV_TOKEN} (or --api-key) to the same "
-            f"value on every node.")
+    return (f"pdsafe: {what} on this bootstrap server needs a fresh write signed with the "
+            f"prefill's bootstrap key ('Authorization: {SCHEME.strip()} ...'); the request "
+            f"carried none, another key, or an old or replayed signature. Prefill ranks sign "
+            f"their own writes; operators set {ENV_TOKEN} (or --api-key) to the same value on "
+            f"every node and keep the nodes' clocks in sync.")
 
 
 def _check_failed(failure: policy.Failure) -> Refusal:
@@ -226,29 +332,28 @@ def _check_failed(failure: policy.Failure) -> Refusal:
 @hook("bootstrap_auth.refuses_write", outcome=Outcome.REFUSE, counter=FAILED,
       on_failure=_check_failed, key=lambda what, *a, **k: ("write", what),
       effect="the write is refused (503); nothing is registered")
-def refuses_write(what: str, request_headers: Mapping[str, str], peer: Any = None
-                  ) -> Refusal | None:
-    """A bootstrap write (``what``: ``"PUT /route"``, ``"POST /register_dp_rank"``) arrived:
-    None to let it through, else the refusal (401, counted in
-    ``sglang:pdsafe_bootstrap_unauthorized_total``) the server answers with, before the body
-    is read. Keys compare in constant time."""
+def refuses_write(what: str, request_headers: Mapping[str, str], peer: Any = None,
+                  body: bytes = b"") -> Refusal | None:
+    """A bootstrap write (``what``: ``"PUT /route"``, ``"POST /register_dp_rank"``) with
+    ``body`` arrived: None to let it through (signed under an accepted key, over exactly this
+    endpoint and body, fresh, its nonce unused), else the refusal (401) the server answers
+    with before it parses the body, counted in ``sglang:pdsafe_bootstrap_unauthorized_total``
+    (no key, another key, a bearer key, a malformed header) or
+    ``sglang:pdsafe_bootstrap_stale_write_total`` (a valid signature too old, replayed, or
+    over the nonce cache)."""
     if not enabled():
         return None
     keys = _accepted()
     got = str(request_headers.get("Authorization", "") or "")
     if not keys:
-        why = ("no key was prepared in this process (the bootstrap server runs outside "
-               "sglang's launcher)")
-    elif not got.startswith(SCHEME):
-        why = "no bearer key"
+        problem: tuple[str, str] | None = (
+            UNAUTHORIZED, "no key was prepared in this process (the bootstrap server runs "
+                          "outside sglang's launcher)")
     else:
-        presented = got[len(SCHEME):].strip().encode()
-        ok = False
-        for k in keys:  # every key compared: the time does not say which one matched
-            ok |= hmac.compare_digest(presented, k.encode())
-        if ok:
-            return None
-        why = "a key this server does not accept"
-    metrics.inc(UNAUTHORIZED)
+        problem = _signature_problem(got, what, bytes(body), keys, time.time())
+    if problem is None:
+        return None
+    counter, why = problem
+    metrics.inc(counter)
     _log(what, str(peer or "?"), why)
-    return Refusal(UNAUTHORIZED_STATUS, refusal_message(what), UNAUTHORIZED)
+    return Refusal(UNAUTHORIZED_STATUS, refusal_message(what), counter)

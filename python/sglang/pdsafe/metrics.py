@@ -116,6 +116,11 @@ COUNTERS: dict[str, str] = {
         "Writes to a prefill's bootstrap server (PUT /route, POST /register_dp_rank) refused "
         "with 401: no key or a key the server does not accept (an attempt to re-point a "
         "prefill rank's registration, or a prefill node configured with another key).",
+    "bootstrap_stale_write_total":
+        "Signed writes to a prefill's bootstrap server refused with 401 because their "
+        "signature was valid but they were too old, dated in the future, or replayed (a "
+        "captured registration sent again, or clocks between prefill nodes apart by more "
+        "than the freshness window).",
     "bootstrap_auth_failed_total":
         "Bootstrap-key hooks that failed (a write check or a rank's key lookup raised); the "
         "write was refused.",
