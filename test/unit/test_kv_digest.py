@@ -222,6 +222,64 @@ def case_dsa() -> Case:
                 _slot_regions("kv", list(pool.kv_buffer), outside) + index_regions(outside))
 
 
+def _dsa_kpool_pool(group: int = 4, compress: bool = True, extra: int = 2) -> Any:
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(attn_dcp_size=1):
+        return mp.DSATokenToKVPool(size=1024, page_size=64 * group, kv_lora_rank=32,
+                                   dtype=torch.bfloat16, qk_rope_head_dim=16, layer_num=2,
+                                   index_head_dim=128, kv_cache_dim=48, index_kpool=group,
+                                   index_kpool_compress=compress, tail_extra_slots=extra,
+                                   max_running_requests=4, **CPU)
+
+
+def case_dsa_kpool() -> Case:
+    """GLM-5.3-Flash's indexer: index_kpool 4 (a 256-token KV page has one 64-entry index page;
+    four positions share an entry) with the compressed index, whose last ``length % 4``
+    positions live in the request's tail ring (6 rows, wrapping here). Prefix: one page that
+    decode holds; the request ends mid-group on a partial page."""
+    group, page, dim, ring, mine = 4, 256, 128, 6, 2
+    pool = _dsa_kpool_pool(group)
+    idx_bufs = list(pool.index_k_with_scale_buffer)
+    tails = [t for lid in range(2) for t in pool.get_compress_tail_buffers(lid)]
+    _randomize(list(pool.kv_buffer) + idx_bufs + tails, 8)
+    row = _locs([2, 1, 3], page, 2 * page + 23)  # 535 positions: 535 % 4 = 3 in the tail
+    prefix, length = page, len(row)
+    owned, outside = _split(row, prefix, length, page, _locs([0], page, 0))
+    entries = page // group
+
+    def entry_regions(ents: list[int]) -> list[Region]:
+        out = []
+        for b in idx_bufs:
+            for e in ents:
+                p, o = divmod(e, entries)
+                out.append((f"index_k[{e}]", b[p, o * dim:(o + 1) * dim]))
+                out.append((f"index_scale[{e}]",
+                            b[p, entries * dim + o * 4:entries * dim + o * 4 + 4]))
+        return out
+
+    def entry_of(loc: int) -> int:
+        return loc // page * entries + loc % page // group
+
+    own_entries = sorted({entry_of(loc) for loc in owned})
+    # Entries no owned position maps to: decode's prefix page, and the groups of the last
+    # page after the last owned position's group.
+    other_entries = sorted({entry_of(loc) for loc in outside} - set(own_entries))
+    n = length % group
+    start = (length - n) % ring
+    own_slots = [(start + i) % ring for i in range(n)]
+    assert own_slots == [4, 5, 0], "the case must wrap the ring"
+    own_tail = [(f"tail[{mine}][{s}]", _u8(t)[mine, s]) for t in tails for s in own_slots]
+    other_tail = [(f"tail[{r}][{s}]", _u8(t)[r, s]) for t in tails for r in range(t.shape[0])
+                  for s in range(ring) if (r, s) not in {(mine, x) for x in own_slots}]
+    return Case("DSA-kpool4-compress", pool, row, prefix, length,
+                _slot_regions("kv", list(pool.kv_buffer), owned) + entry_regions(own_entries)
+                + own_tail,
+                _slot_regions("kv", list(pool.kv_buffer), outside)
+                + entry_regions(other_entries) + other_tail,
+                kwargs={"tail_row": mine})
+
+
 def case_swa() -> Case:
     page = 16
     pool = SWAKVPool(size=256, size_swa=128, page_size=page, dtype=torch.bfloat16, head_num=2,
@@ -301,6 +359,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "mla": case_mla,
     "mla-fp4": lambda: case_mla(mp.MLATokenToKVPoolFP4),
     "dsa": case_dsa,
+    "dsa-kpool4-compress": case_dsa_kpool,
     "swa": case_swa,
     "hybrid-linear-mamba2": case_hybrid_linear,
 }
@@ -675,3 +734,46 @@ def test_missing_inputs_are_errors_not_skips() -> None:
     mha = CASES["mha-bf16-p16"]()
     with pytest.raises(ValueError, match="out of range"):
         kd.digest_request(mha.pool, torch.tensor([10**6]), prefix=0, length=1, room=1)
+
+
+def test_grouped_index_addressing_matches_upstream() -> None:
+    """``DsaGeometry``: the tail rows are exactly the ring slots upstream's PD transfer sends
+    (``get_dsa_tail_state_indices``, every length over three ring turns), and each position's
+    index entry is the one upstream's index page layout gives (entries listed once, in
+    order); without the compressed index there is no tail."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.utils import get_dsa_tail_state_indices
+
+    pool = _dsa_kpool_pool(4)
+    geo = kd.dsa_geometry(pool)
+    assert geo == kd.DsaGeometry(page=256, group=4, compress=True, ring=6)
+    stand_in = SimpleNamespace(kpool_use_compress=True, index_kpool=4, tail_extra_slots=2)
+    for length in range(1, 3 * 6 * 4):
+        got = [int(r) for r in geo.tail_rows(3, length)]
+        up = get_dsa_tail_state_indices(stand_in, 3, length)
+        want = [] if not up else (
+            [3 * 6 + s for s in range(up[1], up[1] + up[2])]
+            + [3 * 6 + s for s in range(up[3], up[3] + up[4])])
+        assert got == want, (length, got, up)
+    locs = np.array([256 * 2 + o for o in range(0, 19)] + [256 * 5 + o for o in range(3, 9)])
+    want_entries: list[int] = []
+    for loc in locs:
+        e = int(loc) // 256 * 64 + int(loc) % 256 // 4
+        if not want_entries or want_entries[-1] != e:
+            want_entries.append(e)
+    assert geo.entries(locs).tolist() == want_entries
+    assert kd.dsa_geometry(_dsa_kpool_pool(4, compress=False)).tail_rows(3, 7).size == 0
+    assert kd.dsa_geometry(case_dsa().pool) is None  # index_kpool 1: token-addressed
+
+
+def test_a_grouped_index_needs_the_tail_row_and_scrub_zeroes_it() -> None:
+    c = case_dsa_kpool()
+    with pytest.raises(ValueError, match="req_pool_idx"):
+        kd.digest_request(c.pool, c.row, prefix=c.prefix, length=c.length, room=ROOM)
+    base = c.digest()
+    n = kd.scrub_request(c.pool, c.row, prefix=c.prefix, length=c.length, tail_row=2)
+    assert n > 0
+    for name, region in c.owned:
+        assert int(region.sum()) == 0, f"{name} not zeroed"
+    assert c.digest() != base

@@ -114,3 +114,52 @@ def test_a_draft_pool_of_a_refused_layout_refuses_the_digest() -> None:
                          layer_num=1, enable_alt_stream=False, **CPU)
     with pytest.raises(kd.UnsupportedLayout, match="Unclassified"):
         kd.prepare(_mha(2), draft)
+
+
+def _dsa(layers: int, group: int, extra: int = 2) -> Any:
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(attn_dcp_size=1):
+        pool = mp.DSATokenToKVPool(size=1024, page_size=64 * group, kv_lora_rank=32,
+                                   dtype=torch.bfloat16, qk_rope_head_dim=16, layer_num=layers,
+                                   index_head_dim=128, kv_cache_dim=48, index_kpool=group,
+                                   index_kpool_compress=True, tail_extra_slots=extra,
+                                   max_running_requests=4, **CPU)
+    g = torch.Generator().manual_seed(layers * 10 + group)
+    bufs = list(pool.kv_buffer) + list(pool.index_k_with_scale_buffer) + [
+        t for lid in range(layers) for t in pool.get_compress_tail_buffers(lid)]
+    for b in bufs:
+        b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape,
+                                                generator=g, dtype=torch.uint8))
+    return pool
+
+
+def test_a_grouped_dsa_draft_is_digested_index_and_tail_included() -> None:
+    """MTP's draft of a GLM-5.3-Flash-style target: both DSA with index_kpool 4 and the
+    compressed tail. The draft's index entries and its tail-ring rows (the request's row,
+    addressed like the target's) are digested: a flipped bit in either changes the digest. A
+    draft whose grouping differs from the target's is refused, not half digested."""
+    target, draft = _dsa(2, 4), _dsa(1, 4)
+    prepared = kd.prepare(target, draft)
+    names = {c.name for c in prepared.components}
+    assert {"draft.index.k4", "draft.tail_k", "draft.tail_score"} <= names
+    row = torch.arange(256 * 2, 256 * 2 + 256 + 7, dtype=torch.int32)  # page 2, then 7 more
+    length, mine = int(row.numel()), 1
+
+    def digest() -> bytes:
+        return kd.digest_request(prepared, row, prefix=0, length=length, room=ROOM,
+                                 tail_row=mine).value
+
+    base = digest()
+    index = draft.index_k_with_scale_buffer[0].view(torch.uint8)
+    index[2, 0] ^= 1  # page 2, entry 0: the first entry's first key byte
+    assert digest() != base, "a draft index bit flip went unseen"
+    index[2, 0] ^= 1
+    tail_k, _ = draft.get_compress_tail_buffers(0)
+    slot = (length - length % 4) % 6  # the ring row of the last, partial group
+    tail_k[mine, slot].view(torch.uint8)[0] ^= 1
+    assert digest() != base, "a draft tail-ring bit flip went unseen"
+    tail_k[mine, slot].view(torch.uint8)[0] ^= 1
+    assert digest() == base
+    with pytest.raises(kd.UnsupportedLayout, match="grouping"):
+        kd.prepare(target, _dsa(1, 4, extra=3))  # another ring: other tail rows

@@ -28,6 +28,13 @@ MLATokenToKVPoolFP4         + ``kv_scale``: ``kv_scale_buffer[l][loc]``         
 DSATokenToKVPool            MLA's ``kv`` + ``index``: the indexer key bytes then     token
                             its scale bytes of slot ``o`` of page ``p`` of
                             ``index_k_with_scale_buffer[l]`` (index_kpool 1)
+DSATokenToKVPool,           MLA's ``kv`` + ``index.k<K>``: entry ``e`` of the        index
+index_kpool K > 1           page's ``page // K`` entries (K positions share one;
+                            each entry once, in position order; ``DsaGeometry``)
+                            + with the compressed index ``tail_k``, ``tail_score``:  tail
+                            the request's tail-ring rows of its last
+                            ``length % K`` positions
+                            (``get_compress_tail_buffers(l)``)
 SWAKVPool                   ``full.*`` of the full sub-pool                          token
                             ``swa.*`` of the SWA sub-pool, positions                 swa
                             ``[max(prefix, length - window), length)`` at
@@ -138,6 +145,8 @@ class Space(enum.Enum):
     TOKEN = "token"  # the full pool's KV location of a position (a req_to_token value)
     SWA = "swa"  # the SWA pool's location of a window position (translated full location)
     STATE = "state"  # a request state slot (Mamba / linear attention)
+    INDEX = "index"  # a DSA index entry shared by index_kpool positions (index_kpool > 1)
+    TAIL = "tail"  # a row of a request's DSA tail ring (index_kpool compress)
 
 
 @dataclass(frozen=True)
@@ -416,33 +425,106 @@ def _mla_components(pool: Any, prefix: str, space: Space, layer_ids: list[int]) 
     return out
 
 
+@dataclass(frozen=True)
+class DsaGeometry:
+    """How a DSA pool with ``index_kpool`` K > 1 addresses its index and tail rows.
+
+    A KV page of ``page`` positions has one index page of ``page // K`` entries: position
+    slot ``loc`` is entry ``(loc // page) * (page // K) + (loc % page) // K`` (K consecutive
+    positions of a page share one entry). With the compressed index (``compress``), the
+    trailing ``length % K`` positions of a request live in its tail ring instead, ``ring``
+    rows per request: row ``req_pool_idx * ring + (length - n + i) % ring`` for ``i < n``
+    (upstream's ``get_dsa_tail_state_indices``, which the PD transfer sends)."""
+
+    page: int
+    group: int
+    compress: bool
+    ring: int
+
+    def entries(self, locs: np.ndarray) -> np.ndarray:
+        """The index entries of the positions at KV slots ``locs`` (in order), each once."""
+        locs = locs.astype(np.int64, copy=False)
+        ent = (locs // self.page) * (self.page // self.group) + (locs % self.page) // self.group
+        if ent.size == 0:
+            return ent
+        keep = np.empty(ent.size, dtype=bool)
+        keep[0] = True
+        np.not_equal(ent[1:], ent[:-1], out=keep[1:])
+        return ent[keep]
+
+    def tail_rows(self, req_pool_idx: int | None, length: int) -> np.ndarray:
+        """The tail-ring rows of a request of ``length`` positions (empty without compress)."""
+        n = int(length) % self.group if self.compress else 0
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        if req_pool_idx is None:
+            raise ValueError("a DSA pool with the compressed index needs the request's "
+                             "req_pool_idx (its tail ring row)")
+        start = (int(length) - n) % self.ring
+        return int(req_pool_idx) * self.ring + (start + np.arange(n, dtype=np.int64)) % self.ring
+
+
+def dsa_geometry(pool: Any) -> DsaGeometry | None:
+    """The :class:`DsaGeometry` of ``pool``'s DSA index (the pool itself, or the full-attention
+    sub-pool of a hybrid pool) when its ``index_kpool`` > 1; None otherwise."""
+    dsa = pool
+    if not (kv_layouts.verdict(type(pool))[0] == "dsa"):
+        dsa = getattr(pool, "full_kv_pool", None)
+        if dsa is None or kv_layouts.verdict(type(dsa))[0] != "dsa":
+            return None
+    group = int(dsa.index_kpool)
+    if group <= 1:
+        return None
+    compress = bool(getattr(dsa, "kpool_use_compress", False))
+    ring = group + int(getattr(dsa, "tail_extra_slots", 0) or 0)
+    return DsaGeometry(int(dsa.page_size), group, compress, ring)
+
+
 def _dsa_components(pool: Any, prefix: str, space: Space, layer_ids: list[int]) -> list[Component]:
     from sglang.srt.mem_cache import index_key_cache
 
-    if (pool.index_kpool != 1 or pool.index_page_size != pool.page_size
-            or getattr(index_key_cache, "_use_aiter_preshuffle", False)):
+    group, page = int(pool.index_kpool), int(pool.page_size)
+    entries = int(pool.index_page_size)
+    if (group < 1 or entries * group != page
+            or getattr(index_key_cache, "_use_aiter_preshuffle", False)
+            or (group > 1 and space is not Space.TOKEN)):
         raise UnsupportedLayout(
-            f"{type(pool).__name__} with index_kpool={pool.index_kpool}, index page "
-            f"{pool.index_page_size} of page {pool.page_size} (or the AITER preshuffled index): "
-            "only the plain per-page index layout (index_kpool 1) is digested")
+            f"{type(pool).__name__} with index_kpool={group}, index page {entries} of page "
+            f"{page} (or the AITER preshuffled index, or a grouped index in a sub-pool this "
+            "module does not address by token): not digested")
     out = _mla_components(pool, prefix, space, layer_ids)
-    page = int(pool.page_size)
     dim = int(pool.index_head_dim)
     scale_bytes = dim // int(pool.quant_block_size) * 4
+    index_space = space if group == 1 else Space.INDEX
+    name = prefix + ("index" if group == 1 else f"index.k{group}")
     for lid, buf in zip(layer_ids, pool.index_k_with_scale_buffer, strict=True):
         if buf.shape[0] == 0:  # a layer that reuses the previous top-k has no index keys
             continue
-        # One page row: the page's key bytes (page x dim), then its scale bytes (page x 4).
-        keys = buf[:, : page * dim].view(buf.shape[0], page, dim)
-        scales = buf[:, page * dim:].view(buf.shape[0], page, scale_bytes)
+        # One page row: its entries' key bytes (entries x dim), then their scale bytes.
+        keys = buf[:, : entries * dim].view(buf.shape[0], entries, dim)
+        scales = buf[:, entries * dim:].view(buf.shape[0], entries, scale_bytes)
 
         def pick(idx: torch.Tensor, keys: torch.Tensor = keys,
                  scales: torch.Tensor = scales) -> torch.Tensor:
-            p, o = idx // page, idx % page
+            p, o = idx // entries, idx % entries
             return torch.cat([keys[p, o], scales[p, o]], dim=1)
 
-        out.append(_custom_component(prefix + "index", lid, space, buf, (dim + scale_bytes,),
-                                     int(buf.shape[0]) * page, pick))
+        def clear(idx: torch.Tensor, keys: torch.Tensor = keys,
+                  scales: torch.Tensor = scales) -> None:
+            p, o = idx // entries, idx % entries
+            keys[p, o] = 0
+            scales[p, o] = 0
+
+        out.append(_custom_component(name, lid, index_space, buf, (dim + scale_bytes,),
+                                     int(buf.shape[0]) * entries, pick, clear))
+    if group > 1 and getattr(pool, "kpool_use_compress", False):
+        for lid in layer_ids:
+            tail_k, tail_score = pool.get_compress_tail_buffers(lid)
+            for part, t in (("tail_k", tail_k), ("tail_score", tail_score)):
+                if t.shape[0] == 0:  # a layer without index keys has no tail either
+                    continue
+                out.append(_row_component(prefix + part, lid, Space.TAIL,
+                                          t.reshape(-1, t.shape[-1])))
     return out
 
 
@@ -513,13 +595,22 @@ def components(pool: Any) -> list[Component]:
     return comps
 
 
-def draft_components(draft_pool: Any) -> list[Component]:
+def draft_components(draft_pool: Any, target: DsaGeometry | None = None) -> list[Component]:
     """Every component of a speculative-decoding draft pool (EAGLE, MTP) that the PD transfer
     writes next to the target pool (upstream appends its buffers to ``kv_data_ptrs``, the last
     ``num_draft_entries``). The draft KV shares the target's token indices, so its rows are
     addressed by the same ``req_to_token`` row; a draft pool of a layout the digest does not
-    cover, or with a registered buffer no component covers, is refused like a target pool."""
+    cover, or with a registered buffer no component covers, is refused like a target pool. A
+    draft DSA pool with ``index_kpool`` > 1 is covered when its grouping equals the target's
+    (``target``, the target pool's :class:`DsaGeometry`): same entries, same tail rows."""
     comps = _attention_components(draft_pool, "draft.", Space.TOKEN)
+    mine = dsa_geometry(draft_pool)
+    if mine is not None and mine != target:
+        # Its index entries and tail rows are addressed like the target's (same positions,
+        # same req_pool_idx); a grouping of its own would need an index map of its own.
+        raise UnsupportedLayout(
+            f"a draft DSA pool whose index grouping ({mine}) differs from the target pool's "
+            f"({target}) is not digested")
     _check_covers_transfer(draft_pool, comps)
     return comps
 
@@ -528,7 +619,7 @@ def _transfer_buffers(pool: Any) -> list[tuple[str, int]]:
     """(source, data_ptr) of every non-empty buffer the PD transfer registers for ``pool``."""
     out: list[tuple[str, int]] = []
     for meth in ("get_contiguous_buf_infos", "get_state_buf_infos", "get_kv_scale_buf_infos",
-                 "get_swa_kv_scale_buf_infos"):
+                 "get_swa_kv_scale_buf_infos", "get_compress_tail_buf_infos"):
         fn = getattr(pool, meth, None)
         if fn is None:
             continue
@@ -556,7 +647,8 @@ def layout_signature(pool: Any, comps: Sequence[Component] | None = None,
     draft pool's when one is transferred with it (a leg with a draft pool and one without never
     share a signature: the decode refuses such a transfer as invalid)."""
     if comps is None:
-        comps = components(pool) + ([] if draft_pool is None else draft_components(draft_pool))
+        comps = components(pool) + ([] if draft_pool is None
+                                    else draft_components(draft_pool, dsa_geometry(pool)))
     parts = [SCHEME, f"leaf={LEAF_BYTES}", f"byteorder={sys.byteorder}",
              f"pool={type(pool).__name__}"] + (
         [] if draft_pool is None else [f"draft={type(draft_pool).__name__}"]) + [
@@ -572,6 +664,7 @@ class Prepared:
     pool: Any
     components: tuple[Component, ...]
     signature: Signature
+    dsa: DsaGeometry | None = None  # the grouped DSA index's addressing (index_kpool > 1)
 
 
 def prepare(pool: Any, draft_pool: Any = None) -> Prepared:
@@ -583,25 +676,41 @@ def prepare(pool: Any, draft_pool: Any = None) -> Prepared:
     """
     comps = components(pool)
     if draft_pool is not None:
-        comps += draft_components(draft_pool)
-    return Prepared(pool, tuple(comps), layout_signature(pool, comps, draft_pool))
+        comps += draft_components(draft_pool, dsa_geometry(pool))
+    return Prepared(pool, tuple(comps), layout_signature(pool, comps, draft_pool),
+                    dsa_geometry(pool))
 
 
 # --------------------------------------------------------------------------- scrub
 
 
+def _grouped_indices(prepared: Prepared, row: torch.Tensor, prefix: int, length: int,
+                     tail_row: int | None) -> dict[Space, torch.Tensor]:
+    """The INDEX and TAIL indices of a request's ``[prefix, length)`` when the pool has a
+    grouped DSA index (:class:`DsaGeometry`); empty otherwise."""
+    geo = prepared.dsa
+    if geo is None:
+        return {}
+    locs = row[prefix:length].to("cpu", torch.int64).numpy()
+    return {Space.INDEX: torch.from_numpy(geo.entries(locs)),
+            Space.TAIL: torch.from_numpy(geo.tail_rows(tail_row, length))}
+
+
 def scrub_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, length: int,
-                  state_indices: Sequence[int] | torch.Tensor = ()) -> int:
+                  state_indices: Sequence[int] | torch.Tensor = (),
+                  tail_row: int | None = None) -> int:
     """Zero every row of the request's ``[prefix, length)`` (and its state slots) in every
     component decode reads: a request whose KV nobody transferred (upstream's fake transfer)
     then decodes over zeros, never over what an earlier request left in those pages. Returns
     the number of rows zeroed. A component whose rows it cannot address raises
-    :class:`UnsupportedLayout` before anything is written (the caller refuses the request)."""
+    :class:`UnsupportedLayout` before anything is written (the caller refuses the request).
+    ``tail_row``: the request's ``req_pool_idx`` (a grouped DSA index with a tail ring)."""
     prepared = pool if isinstance(pool, Prepared) else prepare(pool)
     prefix, length = int(prefix), int(length)
     row = torch.as_tensor(req_to_token_row).reshape(-1)
     idx = {Space.TOKEN: _index_tensor(row[prefix:length]),
-           Space.STATE: _index_tensor(state_indices)}
+           Space.STATE: _index_tensor(state_indices),
+           **_grouped_indices(prepared, row, prefix, length, tail_row)}
     for c in prepared.components:
         if c.clear is None or c.space not in idx:
             raise UnsupportedLayout(f"cannot zero {c.describe()} (no row write for this "
@@ -840,7 +949,8 @@ class RequestPlan:
 
 def plan_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, length: int,
                  state_indices: Sequence[int] | torch.Tensor = (),
-                 swa_window: int | None = None, path: str = "auto") -> RequestPlan:
+                 swa_window: int | None = None, path: str = "auto",
+                 tail_row: int | None = None) -> RequestPlan:
     """The :class:`RequestPlan` of the request's owned KV ``[prefix, length)`` (arguments as
     :func:`digest_request`, which calls it); raises before any row is read when an index is
     out of range or maps to the padding slot."""
@@ -876,6 +986,8 @@ def plan_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, le
             raise ValueError("a pool with request state needs state_indices (its state slots)")
         idx_by_space[Space.STATE] = st
         n_state = int(st.numel())
+    if spaces & {Space.INDEX, Space.TAIL}:
+        idx_by_space.update(_grouped_indices(prepared, row, prefix, length, tail_row))
 
     np_idx = {s: t.numpy() for s, t in idx_by_space.items()}
     bounds = {s: (int(a.min()), int(a.max())) if a.size else (0, -1) for s, a in np_idx.items()}
@@ -886,7 +998,7 @@ def plan_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, le
             continue
         lo, hi = bounds[c.space]
         _check_range(c, lo, hi, c.space.value)
-        if lo == 0 and c.space is not Space.STATE:
+        if lo == 0 and c.space in (Space.TOKEN, Space.SWA, Space.INDEX):
             # Slot 0 is every pool's padding slot (dummy writes land there); a position that
             # points at it has no KV of its own (an SWA position whose window KV was freed).
             raise ValueError(f"a position of [{prefix}, {length}) maps to the padding slot 0 "
@@ -916,22 +1028,26 @@ def plan_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, le
 
 def digest_request(pool: Any | Prepared, req_to_token_row: Any, *, prefix: int, length: int,
                    room: int, generation: int = 0, state_indices: Sequence[int] | torch.Tensor = (),
-                   swa_window: int | None = None, path: str = "auto") -> KvDigest:
+                   swa_window: int | None = None, path: str = "auto",
+                   tail_row: int | None = None) -> KvDigest:
     """The digest of the request's owned KV ``[prefix, length)`` in ``pool``.
 
     ``req_to_token_row``: the request's row of ``req_to_token`` (position -> KV location; at
     least ``length`` entries), the same call on prefill (before sending) and on decode (over
     its own row, after receiving). ``state_indices``: the request's state slots (Mamba pools;
     required there). ``swa_window``: the sliding window in tokens (SWA pools; required there).
-    ``path``: ``auto``, ``stream`` (zero-copy from the pool, CPU tensors only), ``gather`` or
-    ``triton`` (leaves hashed on the device by :mod:`kv_digest_triton`; ``auto`` takes it for
-    pools on a CUDA/HIP device, see :func:`_device_path`); all give the same digest. ``pool``
+    ``tail_row``: the request's ``req_pool_idx`` (required for a grouped DSA index with a
+    compressed tail ring, :class:`DsaGeometry`). ``path``: ``auto``, ``stream`` (zero-copy from
+    the pool, CPU tensors only), ``gather`` or ``triton`` (leaves hashed on the device by
+    :mod:`kv_digest_triton`; ``auto`` takes it for pools on a CUDA/HIP device, see
+    :func:`_device_path`); all give the same digest. ``pool``
     may be a :class:`Prepared` pool (no per-call setup). Planning (:func:`plan_request`), then
     hashing (:func:`digest_planned`).
     """
     prepared = pool if isinstance(pool, Prepared) else prepare(pool)
     plan = plan_request(prepared, req_to_token_row, prefix=prefix, length=length,
-                        state_indices=state_indices, swa_window=swa_window, path=path)
+                        state_indices=state_indices, swa_window=swa_window, path=path,
+                        tail_row=tail_row)
     return digest_planned(prepared, plan, room=room, generation=generation)
 
 

@@ -315,6 +315,8 @@ class Digester:
         if Space.SWA in self.spaces:
             kwargs["swa_window"] = (getattr(scheduler, "sliding_window_size", None)
                                     or getattr(self.prepared.pool, "sliding_window", None))
+        if Space.TAIL in self.spaces:
+            kwargs["tail_row"] = int(pool_idx)  # the request's DSA tail ring (its pool row)
         return digest_request(self.prepared, rtp.req_to_token[pool_idx], prefix=prefix,
                               length=length, room=room, generation=generation, **kwargs)
 
@@ -328,7 +330,8 @@ class Digester:
             translate = getattr(rtp, "translate_mamba_indices", None)
             states = translate(slots) if translate is not None else slots
         return kv_digest.scrub_request(self.prepared, rtp.req_to_token[pool_idx],
-                                       prefix=prefix, length=length, state_indices=states)
+                                       prefix=prefix, length=length, state_indices=states,
+                                       tail_row=int(pool_idx))
 
 
 @hook("kv_integrity.leg_digester", outcome=Outcome.POISON, counter=FAILED,

@@ -3,6 +3,7 @@
 Modules, by concern (the parent side never imports torch or sglang):
 
 * ``pages``: page-content encoding and classification (pure numpy);
+* ``layouts``: the slot byte patterns of the MLA and DSA pool kinds (pure numpy);
 * ``results``: poll-state names, ``AbortAt``, ``SideOutcome``, ``TransferResult``;
 * ``rpc``: the spawned children and their command pipes (``Child``, ``HarnessError``);
 * ``pair``: ``KVPair`` / ``KVLane``, what tests use;
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from pdsafe_testkit.backends import BACKENDS
 from pdsafe_testkit.kv.child import kv_child_env, write_stub_model_config
+from pdsafe_testkit.kv.layouts import COMPONENTS, POOL_KINDS, RowCopy
 from pdsafe_testkit.kv.pages import (
     BitFlip,
     BufferVerdict,
@@ -33,6 +35,7 @@ from pdsafe_testkit.kv.rpc import HarnessError
 
 __all__ = [
     "BACKENDS",
+    "COMPONENTS",
     "KVPOLL_NAMES",
     "AbortAt",
     "BitFlip",
@@ -42,6 +45,8 @@ __all__ = [
     "KVPair",
     "PageKind",
     "PageVerdict",
+    "POOL_KINDS",
+    "RowCopy",
     "SideOutcome",
     "TransferResult",
     "apply_bit_flip",

@@ -97,6 +97,9 @@ class ChildConfig:
     #: Run every protection hook a patched scheduler runs around a transfer, over upstream's
     #: real allocator with page generations (``pdsafe_testkit.kv.bookkeeping``).
     bookkeeping: bool = False
+    #: The pool class of each lane, aligned with ``page_sizes`` (``layouts.POOL_KINDS``:
+    #: ``mha``, ``mla``, ``dsa``); empty: every lane MHA (the default).
+    pool_kinds: tuple[str, ...] = ()
 
 
 def set_pdeathsig() -> None:
@@ -188,10 +191,12 @@ class Side:
         self.import_s = time.monotonic() - t0
         self.lane_s: dict[int, float] = {}
         self.lanes: dict[int, Lane] = {}
-        for page_size, port in zip(cfg.page_sizes, cfg.bootstrap_ports, strict=True):
+        kinds = cfg.pool_kinds or ("mha",) * len(cfg.page_sizes)
+        for page_size, port, kind in zip(cfg.page_sizes, cfg.bootstrap_ports, kinds,
+                                         strict=True):
             t1 = time.monotonic()
             lane_cls = PrefillLane if cfg.role == "prefill" else DecodeLane
-            self.lanes[page_size] = lane_cls(cfg, page_size, port)
+            self.lanes[page_size] = lane_cls(cfg, page_size, port, pool_kind=kind)
             self.lane_s[page_size] = time.monotonic() - t1
 
     def ready_info(self) -> dict[str, Any]:

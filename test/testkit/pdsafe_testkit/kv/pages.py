@@ -236,7 +236,10 @@ class BitFlip:
     """One bit of a pool row (test-only corruption): bit ``bit`` (0 = least significant) of
     byte ``byte`` of the token row in slot ``slot`` of page ``page``, in layer ``layer``'s K
     (``kv`` 0) or V (``kv`` 1) buffer. Bytes are the row's bytes in memory order (what the
-    transfer moves and the KV digest hashes), ``token_words * 8`` of them."""
+    transfer moves and the KV digest hashes), ``token_words * 8`` of them.
+
+    ``component`` (lanes of another pool kind, ``layouts``): the component whose slot bytes
+    ``byte`` indexes (``kv`` is then ignored); empty for the MHA K/V rows."""
 
     layer: int
     kv: int
@@ -244,9 +247,11 @@ class BitFlip:
     slot: int
     byte: int
     bit: int
+    component: str = ""
 
     def describe(self) -> str:
-        return (f"{'KV'[self.kv]}@layer{self.layer} page {self.page} slot {self.slot} "
+        what = self.component or "KV"[self.kv]
+        return (f"{what}@layer{self.layer} page {self.page} slot {self.slot} "
                 f"byte {self.byte} bit {self.bit}")
 
 

@@ -53,6 +53,7 @@ from typing import Any
 
 from pdsafe_testkit.backends import BACKENDS
 from pdsafe_testkit.kv.child import ChildConfig, kv_child_env, write_stub_model_config
+from pdsafe_testkit.kv.layouts import POOL_KINDS, RowCopy
 from pdsafe_testkit.kv.pages import MIN_TOKEN_WORDS, BitFlip
 from pdsafe_testkit.kv.results import AbortAt, TransferResult, side_outcome
 from pdsafe_testkit.kv.rpc import Child, HarnessError, gather
@@ -94,6 +95,7 @@ class KVPair:
         seed: int | None = None,
         warmup: bool = True,
         bookkeeping: bool = False,
+        pool_kind: str | Sequence[str] = "mha",
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}")
@@ -104,8 +106,16 @@ class KVPair:
             raise ValueError("num_pages and num_layers must be >= 1")
         if token_words < MIN_TOKEN_WORDS:
             raise ValueError(f"token_words must be >= {MIN_TOKEN_WORDS}")
+        kinds = ((pool_kind,) * len(page_sizes) if isinstance(pool_kind, str)
+                 else tuple(pool_kind))
+        if len(kinds) != len(page_sizes) or not set(kinds) <= set(POOL_KINDS):
+            raise ValueError(f"pool_kind: one of {POOL_KINDS}, or one per page size")
+        if bookkeeping and set(kinds) != {"mha"}:
+            raise ValueError("bookkeeping=True needs MHA lanes")
         self.backend = backend
         self.page_sizes = page_sizes
+        #: Each lane's pool class (``layouts.POOL_KINDS``), aligned with ``page_sizes``.
+        self.pool_kinds = kinds
         self.num_pages = num_pages
         self.num_layers = num_layers
         self.token_words = token_words
@@ -166,6 +176,7 @@ class KVPair:
             log_level=self.log_level,
             model_dir=str(self.log_dir / "stub-model"),
             bookkeeping=self.bookkeeping,
+            pool_kinds=() if set(self.pool_kinds) == {"mha"} else self.pool_kinds,
         )
 
     def start(self) -> None:
@@ -303,6 +314,11 @@ class KVLane:
     def num_pages(self) -> int:
         return self.pair.num_pages
 
+    @property
+    def pool_kind(self) -> str:
+        """This lane's pool class (``layouts.POOL_KINDS``)."""
+        return self.pair.pool_kinds[self.pair.page_sizes.index(self.page_size)]
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -345,7 +361,7 @@ class KVLane:
         timeout: float = 30.0,
         abort_observe_timeout: float | None = None,
         abort_ack_timeout: float = 5.0,
-        flips: Sequence[BitFlip] = (),
+        flips: Sequence[BitFlip | RowCopy] = (),
         classify: bool = True,
         measure: bool = False,
         trace_memory: bool = False,

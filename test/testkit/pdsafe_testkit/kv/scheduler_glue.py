@@ -33,8 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pdsafe_testkit.kv import layouts
 from pdsafe_testkit.kv.child import ChildConfig
+from pdsafe_testkit.kv.layouts import POOL_KINDS, Component, RowCopy
 from pdsafe_testkit.kv.pages import (
+    MAGIC_POISON,
+    MAGIC_STALE,
     BitFlip,
     apply_bit_flip,
     classify_pages,
@@ -103,7 +107,8 @@ class Lane:
     for the life of the process (the manager registered their addresses with the engine).
     """
 
-    def __init__(self, cfg: ChildConfig, page_size: int, bootstrap_port: int) -> None:
+    def __init__(self, cfg: ChildConfig, page_size: int, bootstrap_port: int,
+                 pool_kind: str = "mha") -> None:
         import torch
         from sglang.srt.disaggregation.utils import (
             DisaggregationMode,
@@ -116,8 +121,13 @@ class Lane:
         from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
         from sglang.srt.server_args import ServerArgs
 
+        if pool_kind not in POOL_KINDS:
+            raise ValueError(f"pool kind {pool_kind!r} is not one of {POOL_KINDS}")
+        if pool_kind != "mha" and getattr(cfg, "bookkeeping", False):
+            raise ValueError("bookkeeping lanes are MHA only")
         self.cfg = cfg
         self.page_size = page_size
+        self.pool_kind = pool_kind
         self.get_kv_class = get_kv_class
         self.KVClassType = KVClassType
         self.backend = TransferBackend(cfg.backend)
@@ -141,43 +151,57 @@ class Lane:
         # No torch.distributed here: there is no pipeline group to build (pp_size is 1).
         get_parallel().override_permanently(pp_group=None)
 
-        # The KV pool: sglang's real MHATokenToKVPool on the CPU (NHD, one KV head of
-        # ``token_words * 4`` bf16 = ``token_words`` 64-bit words per token row), registered
-        # for the transfer the way the scheduler registers it (get_kv_transfer_buf_infos: all
-        # K layers, then all V layers). ``buffers`` are int64 views of the same memory, one
-        # per (layer, K/V), where ``pages`` writes and reads its self-describing rows.
         from sglang.pdsafe import kv_integrity
-        from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos
+        from sglang.srt.disaggregation.utils import (
+            build_kv_layer_ids,
+            get_kv_transfer_buf_infos,
+            get_pd_kv_layout,
+            is_mla_backend,
+            setup_state_kv_args,
+        )
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
-        self.pool = MHATokenToKVPool(
-            size=cfg.num_pages * page_size,
-            page_size=page_size,
-            dtype=torch.bfloat16,
-            head_num=1,
-            head_dim=cfg.token_words * 4,
-            layer_num=cfg.num_layers,
-            device="cpu",
-            enable_memory_saver=False,
-            enable_alt_stream=False,
-        )
         rows = (cfg.num_pages + 1) * page_size
-        self.layer_kv: list[tuple[int, int]] = [
-            (layer, kv) for kv in (0, 1) for layer in range(cfg.num_layers)
-        ]
-        self.buffers = [
-            (self.pool.k_buffer if kv == 0 else self.pool.v_buffer)[layer]
-            .view(torch.uint8)
-            .reshape(rows, cfg.token_words * 8)
-            .view(torch.int64)
-            for layer, kv in self.layer_kv
-        ]
-        kv_ptrs, kv_lens, kv_item_lens = get_kv_transfer_buf_infos(self.pool)
-        if kv_ptrs != [b.data_ptr() for b in self.buffers]:
-            raise RuntimeError("the pool registers its buffers in an unexpected order")
-        self.item_len = page_size * cfg.token_words * 8
-        if set(kv_item_lens) != {self.item_len}:
-            raise RuntimeError(f"unexpected KV item lengths {kv_item_lens}")
+        #: Non-MHA kinds: the pool's bytes per (component, layer) (``layouts``); MHA: none.
+        self.components: list[Component] = []
+        if pool_kind == "mha":
+            # The KV pool: sglang's real MHATokenToKVPool on the CPU (NHD, one KV head of
+            # ``token_words * 4`` bf16 = ``token_words`` 64-bit words per token row),
+            # registered for the transfer the way the scheduler registers it
+            # (get_kv_transfer_buf_infos: all K layers, then all V layers). ``buffers`` are
+            # int64 views of the same memory, one per (layer, K/V), where ``pages`` writes
+            # and reads its self-describing rows.
+            self.pool = MHATokenToKVPool(
+                size=cfg.num_pages * page_size,
+                page_size=page_size,
+                dtype=torch.bfloat16,
+                head_num=1,
+                head_dim=cfg.token_words * 4,
+                layer_num=cfg.num_layers,
+                device="cpu",
+                enable_memory_saver=False,
+                enable_alt_stream=False,
+            )
+            self.layer_kv: list[tuple[int, int]] = [
+                (layer, kv) for kv in (0, 1) for layer in range(cfg.num_layers)
+            ]
+            self.buffers = [
+                (self.pool.k_buffer if kv == 0 else self.pool.v_buffer)[layer]
+                .view(torch.uint8)
+                .reshape(rows, cfg.token_words * 8)
+                .view(torch.int64)
+                for layer, kv in self.layer_kv
+            ]
+            kv_ptrs, kv_lens, kv_item_lens = get_kv_transfer_buf_infos(self.pool)
+            if kv_ptrs != [b.data_ptr() for b in self.buffers]:
+                raise RuntimeError("the pool registers its buffers in an unexpected order")
+            self.item_len = page_size * cfg.token_words * 8
+            if set(kv_item_lens) != {self.item_len}:
+                raise RuntimeError(f"unexpected KV item lengths {kv_item_lens}")
+        else:
+            self.layer_kv, self.buffers = [], []
+            self.pool, self.components = self._layout_pool(cfg, page_size)
+            kv_ptrs, kv_lens, kv_item_lens = get_kv_transfer_buf_infos(self.pool)
         # One request row (index 1; row 0 is the padding row): position -> KV slot of the
         # request being digested (the harness runs one transfer at a time per lane).
         self.req_to_token_pool = ReqToTokenPool(
@@ -202,36 +226,48 @@ class Lane:
         kv_args.system_dp_rank = None
         kv_args.rust_http_port = None
         kv_args.kv_cache_dtype_str = "auto"
-        kv_args.kv_layout = None
-        kv_args.prefill_start_layer = 0
-        kv_args.prefill_end_layer = cfg.num_layers
+        kv_args.kv_layout = None if pool_kind == "mha" else get_pd_kv_layout(self.pool)
+        kv_args.prefill_start_layer = 0 if pool_kind == "mha" else self.pool.start_layer
+        kv_args.prefill_end_layer = (
+            cfg.num_layers if pool_kind == "mha" else getattr(self.pool, "end_layer", None))
         kv_args.kv_data_ptrs = kv_ptrs
         kv_args.kv_data_lens = kv_lens
         kv_args.kv_item_lens = kv_item_lens
         kv_args.num_draft_entries = 0
-        kv_args.kv_layer_ids = []  # positional pairing, as build_kv_layer_ids gives for MHA
+        # Positional pairing, as build_kv_layer_ids gives for MHA (and for MLA/DSA: asked).
+        kv_args.kv_layer_ids = [] if pool_kind == "mha" else build_kv_layer_ids(
+            token_to_kv_pool=self.pool, draft_token_to_kv_pool=None, num_draft_entries=0,
+            num_hidden_layers=cfg.num_layers)
         if self.backend == TransferBackend.NIXL:
-            kv_args.kv_data_mem_kinds = ["DRAM"] * len(self.buffers)
-        kv_args.kv_head_num = 1
-        kv_args.total_kv_head_num = 1
+            kv_args.kv_data_mem_kinds = ["DRAM"] * len(kv_ptrs)
+        self.is_mla_backend = is_mla_backend(self.pool)
+        if not self.is_mla_backend:  # as the prefill queue: no head counts for MLA pools
+            kv_args.kv_head_num = 1
+            kv_args.total_kv_head_num = 1
         kv_args.page_size = page_size
         kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = (
             self.metadata.get_buf_infos()
         )
         kv_args.ib_device = None
         kv_args.gpu_id = 0
-        # setup_state_kv_args for a plain MHA pool: no state components.
-        kv_args.state_types = []
-        kv_args.state_data_ptrs = []
-        kv_args.state_data_lens = []
-        kv_args.state_item_lens = []
-        kv_args.state_dim_per_tensor = []
-        kv_args.state_slice_outer_counts = []
-        kv_args.state_layer_ids = []
-        kv_args.is_hybrid_mla_backend = False
-        kv_args.state_conv_shard_groups = []
-        kv_args.swa_kv_cache_layout = None
-        kv_args.mla_compression_ratios = None
+        if pool_kind == "mha":
+            # setup_state_kv_args for a plain MHA pool: no state components.
+            kv_args.state_types = []
+            kv_args.state_data_ptrs = []
+            kv_args.state_data_lens = []
+            kv_args.state_item_lens = []
+            kv_args.state_dim_per_tensor = []
+            kv_args.state_slice_outer_counts = []
+            kv_args.state_layer_ids = []
+            kv_args.is_hybrid_mla_backend = False
+            kv_args.state_conv_shard_groups = []
+            kv_args.swa_kv_cache_layout = None
+            kv_args.mla_compression_ratios = None
+        else:
+            # Upstream's own registration of the pool's state components (DSA: the indexer
+            # buffers as StateType.DSA, paged like the KV), as both PD queues call it.
+            setup_state_kv_args(kv_args, self.pool, None, cfg.num_layers,
+                                req_to_token_pool=self.req_to_token_pool)
         self.kv_args = kv_args
 
         global _MOONCAKE_ENGINE_READY
@@ -245,7 +281,7 @@ class Lane:
             _MOONCAKE_ENGINE_READY = True
         self._before_manager()
         manager_cls = get_kv_class(self.backend, KVClassType.MANAGER)
-        self.mgr = manager_cls(kv_args, self.mode, self.server_args, False)
+        self.mgr = manager_cls(kv_args, self.mode, self.server_args, self.is_mla_backend)
         # Bookkeeping (``ChildConfig.bookkeeping``): upstream's allocator with page
         # generations, and every protection hook a patched scheduler runs around a transfer
         # (``pdsafe_testkit.kv.bookkeeping``); None: the plain harness.
@@ -254,6 +290,108 @@ class Lane:
             from pdsafe_testkit.kv.bookkeeping import Bookkeeping
 
             self.book = Bookkeeping(self)
+
+    def _layout_pool(self, cfg: ChildConfig, page_size: int) -> tuple[Any, list[Component]]:
+        """A real upstream MLA or DSA pool on the CPU, small, and its components' views.
+
+        MLA: ``MLATokenToKVPool`` (bf16, ``kv_lora_rank`` 32 + rope 16: 96 bytes a slot and
+        layer). DSA: ``DSATokenToKVPool`` with the same latent/rope, ``index_head_dim`` 128
+        (upstream asserts it), ``index_kpool`` 1; upstream requires 64-token pages. The
+        views (``layouts.Component``) alias the pool's memory: ``kv`` is
+        ``kv_buffer[layer]`` as ``[pages, page_size, 96]``; DSA's ``index_k`` and
+        ``index_scale`` split each ``index_k_with_scale_buffer[layer]`` page row into its
+        key bytes ``[pages, page_size, 128]`` and scale bytes ``[pages, page_size, 4]``
+        (the layout ``kv_digest._dsa_components`` reads).
+        """
+        import torch
+        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
+
+        lora, rope = layouts.KV_LORA_RANK, layouts.QK_ROPE_HEAD_DIM
+        common = {"size": cfg.num_pages * page_size, "page_size": page_size,
+                  "dtype": torch.bfloat16, "kv_lora_rank": lora, "qk_rope_head_dim": rope,
+                  "layer_num": cfg.num_layers, "device": "cpu", "enable_memory_saver": False}
+        if self.pool_kind == "mla":
+            pool: Any = MLATokenToKVPool(**common)
+        else:
+            if page_size != 64:
+                raise ValueError(f"DSATokenToKVPool needs 64-token pages, not {page_size}")
+            pool = DSATokenToKVPool(**common, index_head_dim=layouts.INDEX_HEAD_DIM,
+                                    kv_cache_dim=lora + rope)
+        comps: list[Component] = []
+        for layer in range(cfg.num_layers):
+            kv = pool.kv_buffer[layer].view(torch.uint8)
+            comps.append(Component("kv", layer, kv.numpy().reshape(
+                kv.shape[0] // page_size, page_size, -1)))
+            if self.pool_kind == "dsa":
+                buf = pool.index_k_with_scale_buffer[layer].numpy()
+                dim = int(pool.index_head_dim)
+                scale = dim // int(pool.quant_block_size) * 4
+                if buf.shape[1] != page_size * (dim + scale):
+                    raise RuntimeError(f"unexpected DSA index page row of {buf.shape[1]} bytes")
+                comps.append(Component("index_k", layer, buf[:, : page_size * dim].reshape(
+                    buf.shape[0], page_size, dim)))
+                comps.append(Component("index_scale", layer, buf[:, page_size * dim:].reshape(
+                    buf.shape[0], page_size, scale)))
+        widths = {}
+        for name, _, _, stop in layouts.REGIONS[self.pool_kind]:
+            widths[name] = max(widths.get(name, 0), stop)
+        for c in comps:  # views, never copies: the transfer reads and writes the pool
+            if c.array.base is None or not c.array.flags.writeable:
+                raise RuntimeError(f"component {c.name} is not a view of the pool")
+            if c.array.shape[2] != widths[c.name]:
+                raise RuntimeError(f"component {c.name}: {c.array.shape[2]} bytes a slot, "
+                                   f"layouts.REGIONS says {widths[c.name]}")
+        return pool, comps
+
+    # -- the pool's bytes: MHA through ``pages``' rows, other kinds through ``layouts`` ----
+
+    def fill_pool(self, pages: Any, magic: int) -> None:
+        """Every slot of ``pages`` with the POISON or STALE pattern (``pages``' magics)."""
+        if self.pool_kind == "mha":
+            fill = fill_poison_pages if magic == MAGIC_POISON else fill_stale_pages
+            fill(self.buffers, self.layer_kv, pages, self.page_size)
+        else:
+            layouts.fill_pattern(self.components, list(pages), self.page_size, magic)
+
+    def fill_data(self, pages: list[int], room: int, start: int, end: int) -> None:
+        """The prefill "forward" of request tokens ``[start, end)``."""
+        if self.pool_kind == "mha":
+            fill_data_pages(self.buffers, self.layer_kv, pages, self.page_size, room, start,
+                            end)
+        else:
+            layouts.fill_data(self.components, pages, self.page_size, room, start, end)
+
+    def classify(self, pages: list[int], room: int, num_tokens: int) -> list[Any]:
+        """Per-page verdicts of the request's slots (``pages.classify_pages``)."""
+        if self.pool_kind == "mha":
+            return classify_pages(self.buffers, self.layer_kv, page_size=self.page_size,
+                                  pages=pages, room=room, num_tokens=num_tokens)
+        return layouts.classify_components(self.components, page_size=self.page_size,
+                                           pages=pages, room=room, num_tokens=num_tokens)
+
+    def corrupt(self, what: BitFlip | RowCopy) -> tuple[int, int]:
+        """Apply one test-only corruption of the pool; (a byte before, after)."""
+        if self.pool_kind == "mha":
+            if not isinstance(what, BitFlip) or what.component:
+                raise ValueError(f"an MHA lane takes K/V bit flips only, not {what}")
+            return apply_bit_flip(self.buffers, self.layer_kv, self.page_size, what)
+        return layouts.apply_corruption(self.components, self.page_size, what)
+
+    def state_indices(self, num_tokens: int) -> list[Any]:
+        """The last chunk's / the metadata's state indices, one per ``kv_args.state_types``,
+        by upstream's payload for each type (both queues' ``_dsa_pages_payload``: the
+        request's pages from ``req_to_token`` via ``suffix_page_indices``, prefix 0). Reads
+        row ``REQ_POOL_IDX``: set it first. Empty without state types (MHA, MLA)."""
+        from sglang.srt.disaggregation.base.conn import StateType
+        from sglang.srt.mem_cache.common import suffix_page_indices
+
+        out: list[Any] = []
+        for st in self.kv_args.state_types:
+            if st != StateType.DSA:
+                raise NotImplementedError(f"state type {st} is not driven by the harness")
+            out.append(suffix_page_indices(self.req_to_token_pool.req_to_token, REQ_POOL_IDX,
+                                           0, num_tokens, self.page_size))
+        return out
 
     def _before_manager(self) -> None:
         pass
@@ -380,7 +518,7 @@ class PrefillLane(Lane):
             raise RuntimeError("prefill metadata slots exhausted")
         plan.pages = list(pages)
         plan.prefill_tokens = prefill_tokens
-        fill_stale_pages(self.buffers, self.layer_kv, pages, ps)
+        self.fill_pool(pages, MAGIC_STALE)
         if self.book is not None:  # every chunk's source-page snapshot reads the row
             self.set_request_row(plan.pages, prefill_tokens)
         step = chunk_tokens or prefill_tokens
@@ -412,17 +550,15 @@ class PrefillLane(Lane):
         from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
 
         plan = self.plans[room]
-        ps = self.page_size
         sent = 0
         while plan.next_segment < len(plan.segments) and (max_chunks is None or sent < max_chunks):
             start, end = plan.segments[plan.next_segment]
             last = plan.next_segment == len(plan.segments) - 1
             if self.book is not None:
                 with self.book.forward():
-                    fill_data_pages(self.buffers, self.layer_kv, plan.pages, ps, room, start,
-                                    end)
+                    self.fill_data(plan.pages, room, start, end)
             else:
-                fill_data_pages(self.buffers, self.layer_kv, plan.pages, ps, room, start, end)
+                self.fill_data(plan.pages, room, start, end)
             if plan.req is None:  # one request object from the first chunk on
                 plan.req = SimpleNamespace(
                     rid=f"kv-harness-{room}",
@@ -479,8 +615,10 @@ class PrefillLane(Lane):
         page_indices = np.asarray(plan.pages[start // ps : -(-end // ps)], dtype=np.int64)
         if self.book is not None:  # patch 0024: the chunk's source pages snapshotted
             self.book.note_chunk(req, start, end)
-        # The scheduler passes state_indices=[] on the last chunk (no state types here).
-        plan.sender.send(page_indices, [] if last_chunk else None, num_kv_tokens=end - start)
+        # The last chunk carries one state index list per state type (none for MHA/MLA:
+        # ``[]``, as the scheduler passes then; DSA: the indexer pages); others ``None``.
+        state = self.state_indices(end) if last_chunk else None
+        plan.sender.send(page_indices, state, num_kv_tokens=end - start)
 
     def cmd_send_wait_terminal(self, room: int, timeout: float) -> dict[str, Any]:
         plan = self.plans[room]
@@ -556,7 +694,7 @@ class DecodeLane(Lane):
     def cmd_poison(self, pages: list[int] | None) -> None:
         """Re-poison decode pages (all usable pages when None)."""
         targets = range(1, self.cfg.num_pages + 1) if pages is None else pages
-        fill_poison_pages(self.buffers, self.layer_kv, targets, self.page_size)
+        self.fill_pool(targets, MAGIC_POISON)
 
     def _decode_req(self, room: int, num_tokens: int, receiver: Any,
                     aux_index: int | None) -> Any:
@@ -592,8 +730,14 @@ class DecodeLane(Lane):
             tokens = len(pages) * self.page_size if num_tokens is None else int(num_tokens)
             st.decode_req = self._decode_req(room, tokens, receiver, st.aux_index)
             self.book.reserve(st.decode_req, list(pages), tokens)
+        state: list[Any] = []
+        if self.kv_args.state_types:  # decode's own state payloads read its request row
+            self.set_request_row(list(pages), len(pages) * self.page_size if num_tokens is None
+                                 else int(num_tokens))
+            state = self.state_indices(len(pages) * self.page_size if num_tokens is None
+                                       else int(num_tokens))
         receiver.send_metadata(
-            np.asarray(pages, dtype=np.int32), st.aux_index, [], decode_prefix_len=0
+            np.asarray(pages, dtype=np.int32), st.aux_index, state, decode_prefix_len=0
         )
         state = int(receiver.poll())
         st.trace.append((KVPOLL_NAMES[state], time.monotonic()))
@@ -625,7 +769,7 @@ class DecodeLane(Lane):
         return None
 
     def cmd_recv_finish(
-        self, room: int, num_tokens: int, flips: list[BitFlip] | None = None,
+        self, room: int, num_tokens: int, flips: list[BitFlip | RowCopy] | None = None,
         classify: bool = True,
     ) -> dict[str, Any]:
         """Classify the request's pages and read its aux row, then retire the receiver.
@@ -652,8 +796,9 @@ class DecodeLane(Lane):
         verdicts: list[Any] = []
         own_rows = None
         if classify:
-            verdicts = classify_pages(self.buffers, self.layer_kv, page_size=self.page_size,
-                                      pages=st.pages, room=room, num_tokens=num_tokens)
+            verdicts = self.classify(st.pages, room, num_tokens)
+        elif self.pool_kind != "mha":
+            raise NotImplementedError("classify=False counts MHA rows only")
         else:
             own_rows = count_own_rows(self.buffers, self.layer_kv, page_size=self.page_size,
                                       pages=st.pages, room=room, num_tokens=num_tokens)
@@ -729,7 +874,7 @@ class DecodeLane(Lane):
         pages: list[int],
         num_tokens: int,
         committed: bool,
-        flips: list[BitFlip],
+        flips: list[BitFlip | RowCopy],
         captured: bool = False,
     ) -> dict[str, Any]:
         """The decode leg of the KV digest for one request, by the fork's own functions.
@@ -754,13 +899,9 @@ class DecodeLane(Lane):
             kv_integrity.capture(SimpleNamespace(metadata_buffers=self.metadata), decode_req,
                                  fake=False)
         generation = int(decode_req.kv_receiver.pdsafe_transfer_generation())
-        applied = [
-            apply_bit_flip(self.buffers, self.layer_kv, self.page_size, f) for f in flips
-        ]
+        applied = [self.corrupt(f) for f in flips]
         flipped_verdicts = (
-            classify_pages(self.buffers, self.layer_kv, page_size=self.page_size, pages=pages,
-                           room=decode_req.req.bootstrap_room, num_tokens=num_tokens)
-            if flips else []
+            self.classify(pages, decode_req.req.bootstrap_room, num_tokens) if flips else []
         )
         self.set_request_row(pages, num_tokens)
         before = {name: metrics.value(name) for name in _DIGEST_COUNTERS}
