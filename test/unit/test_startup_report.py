@@ -22,7 +22,8 @@ SWITCHES = ("SGLANG_PDSAFE_ROOM_GUARD", "SGLANG_PDSAFE_SOURCE_LEASE", "SGLANG_PD
             "SGLANG_PDSAFE_KV_DIGEST", "SGLANG_PDSAFE_PAGE_GENERATION",
             "SGLANG_PDSAFE_PEER_RELEASE", "SGLANG_PDSAFE_COVERAGE",
             "SGLANG_PDSAFE_PAIR_AGREEMENT", "SGLANG_PDSAFE_WAIVE_FOR_STOCK_PEERS",
-            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", startup.ENV_WAIVE_FAKE)
+            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", startup.ENV_WAIVE_FAKE,
+            "SGLANG_PDSAFE_WAIVE_UNWIRED_GENERATION")
 
 
 @pytest.fixture(autouse=True)
@@ -134,6 +135,31 @@ def test_the_fake_transfer_waiver_is_reported_and_served_requests_are_counted(
     text = "\n".join(_warnings(caplog))
     assert startup.ENV_WAIVE_FAKE in text and "kv-digest" in text and "coverage" in text
     assert "zeroes their pages" in text  # test_kv_integrity_wiring shows the zeroing
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_a_backend_without_the_transfer_generation_refuses_a_pd_start(
+        mode: str, monkeypatch, caplog) -> None:
+    """MORI carries no transfer generation: its rows would bind generation 0, so a stale row
+    of the same room and range would verify. Refused at start (launcher and scheduler);
+    waived only explicitly, then warned, reported off and gauged."""
+    from sglang.pdsafe import metrics, transfer_generation
+
+    for hook in (startup.launching, startup.scheduler_starting):
+        with pytest.raises(transfer_generation.UnwiredGenerationError,
+                           match="does not carry the transfer generation"):
+            hook(_args(mode, backend="mori"))
+    startup.launching(_args("null", backend="mori"))  # not PD: nothing to refuse
+    for backend in ("mooncake", "nixl", "ascend"):
+        transfer_generation.check_backend(_args(mode, backend=backend))
+        assert metrics.value(transfer_generation.UNWIRED_GAUGE) == 0
+    monkeypatch.setenv(transfer_generation.ENV_WAIVE_UNWIRED, "1")
+    with caplog.at_level(logging.WARNING, logger="sglang.pdsafe"):
+        status = startup.launching(_args(mode, backend="mori"))
+    assert status["transfer-generation"] is False
+    assert metrics.value(transfer_generation.UNWIRED_GAUGE) == 1
+    text = "\n".join(_warnings(caplog))
+    assert transfer_generation.ENV_WAIVE_UNWIRED in text and "generation 0" in text
 
 
 def test_the_launcher_creates_the_state_dir_the_schedulers_share(monkeypatch) -> None:

@@ -314,6 +314,9 @@ COUNTERS: dict[str, str] = {
         "Outermost pdsafe hook calls in this process (flushed with hook_seconds_total).",
 }
 GAUGES: dict[str, str] = {
+    "transfer_generation_unwired":
+        "1 while this PD server runs on a transfer backend whose messages carry no transfer "
+        "generation (MORI), under SGLANG_PDSAFE_WAIVE_UNWIRED_GENERATION=1, else 0.",
     "transfer_generation_unkeyed":
         "1 while this decode mints unkeyed transfer generations (no launcher prepared a key "
         "and no cluster key is configured: forgeable by someone who can guess a "

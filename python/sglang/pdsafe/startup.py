@@ -192,6 +192,9 @@ def _checks(server_args: Any) -> None:
     hook_api.self_check(server_args, modules=HOOK_MODULES)
     if is_pd(server_args):
         check_fake_transfer(server_args)
+        from sglang.pdsafe import transfer_generation
+
+        transfer_generation.check_backend(server_args)  # MORI: no generation, no start
         if pd_mode(server_args) == "prefill":
             from sglang.pdsafe import unclaimed_rooms
 

@@ -107,10 +107,12 @@ carried none can still fail a live room of the same number on the prefill (a fai
 never a leak; the room guard refuses a second live request of a room on each server).
 One-sided KV writes carry nothing:
 a late write lands where its old reservation pointed; the quarantine holds those pages
-until the drain is acknowledged. MORI does not carry the generation (it cannot run here);
-its rooms are handled as upstream does. Two decode servers with identical histories may mint
-the same generation for a room; harmless, since every message is addressed to one decode
-endpoint and the prefill keys generations by (room, endpoint). The coverage attestation row
+until the drain is acknowledged. MORI does not carry the generation (it cannot run here),
+so a PD server on MORI refuses to start unless ``SGLANG_PDSAFE_WAIVE_UNWIRED_GENERATION=1``
+(:func:`check_backend`; then its rooms are handled as upstream does, warned, gauged).
+Two decode servers with identical histories may mint the same generation for a room;
+harmless, since every message is addressed to one decode endpoint and the prefill keys
+generations by (room, endpoint). The coverage attestation row
 has no free slot: its freshness comes from the digest row, checked before the first decode
 step. A prefill's refusal of a decode that did not announce its wire version (peer capability)
 happens before the metadata is stored, so that Failed carries no generation: a decode that
@@ -123,6 +125,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -158,11 +161,65 @@ _U63 = (1 << 63) - 1
 _KV_MANAGER = "sglang.srt.disaggregation.common.conn.CommonKVManager"
 _RECEIVER = "sglang.srt.disaggregation.common.conn.CommonKVReceiver"
 
+#: Transfer backends whose managers do not carry the generation back to the decode
+#: (``pdsafe_transfer_generation_wired`` is False there): MORI.
+UNWIRED_BACKENDS = frozenset({"mori"})
+#: ``1``: serve a PD server on such a backend anyway (warned, gauge :data:`UNWIRED_GAUGE`).
+ENV_WAIVE_UNWIRED = "SGLANG_PDSAFE_WAIVE_UNWIRED_GENERATION"
+UNWIRED_GAUGE = "transfer_generation_unwired"
+
+
+def _backend(args: Any) -> str:
+    return str(getattr(args, "disaggregation_transfer_backend", "") or "").lower()
+
+
+def unwired_waived() -> bool:
+    return os.environ.get(ENV_WAIVE_UNWIRED, "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _switched_off(args: Any) -> str | None:
+    if _backend(args) in UNWIRED_BACKENDS and unwired_waived():
+        return f"{ENV_WAIVE_UNWIRED}=1 on the {_backend(args)} transfer backend"
+    return None
+
+
 register(Protection(
     name="transfer-generation",
     guards="every status, aux and chunk-ready message of a PD transfer carries the "
            "reservation's server-minted generation; stale or replayed ones are dropped",
+    switched_off=_switched_off,
 ))
+
+
+class UnwiredGenerationError(policy.StartupRefusedError):
+    """A PD server on a transfer backend that does not carry the generation (no waiver)."""
+
+
+def check_backend(server_args: Any) -> None:
+    """Startup (both legs, launcher and scheduler): a PD server on a backend whose messages
+    do not carry the transfer generation (:data:`UNWIRED_BACKENDS`) refuses to start, unless
+    :data:`ENV_WAIVE_UNWIRED` waives it (then a warning and :data:`UNWIRED_GAUGE` = 1). Without
+    the generation its KV digest and coverage rows bind generation 0, so a stale row of the
+    same room and token range (an earlier reservation's late write) would verify: that check
+    cannot be made there, so the fork does not pretend it is."""
+    backend = _backend(server_args)
+    if backend not in UNWIRED_BACKENDS:
+        metrics.set_gauge(UNWIRED_GAUGE, 0)
+        return
+    if not unwired_waived():
+        raise UnwiredGenerationError(
+            f"pdsafe: the {backend} transfer backend does not carry the transfer generation: "
+            "a decode could not tell a stale KV status, aux row or digest row of an earlier "
+            "reservation of the same room from the current one. This PD server refuses to "
+            f"start. Use mooncake or nixl, or set {ENV_WAIVE_UNWIRED}=1 on both legs to serve "
+            "it without (warned at every start; gauge sglang:pdsafe_transfer_generation_unwired"
+            " = 1).")
+    metrics.set_gauge(UNWIRED_GAUGE, 1)
+    logger.warning(
+        "pdsafe: %s=1: this server runs on the %s transfer backend, whose messages carry no "
+        "transfer generation; its digest and coverage rows bind generation 0, so a stale row "
+        "of the same room and token range would verify. Never rely on it for tenant "
+        "isolation across reservations of a room.", ENV_WAIVE_UNWIRED, backend)
 
 require(_KV_MANAGER, "pdsafe_transfer_generation_wired", "pdsafe_room_status(bootstrap_room)",
         "pdsafe_decode_endpoints(bootstrap_room)",
