@@ -63,7 +63,7 @@ ROWS=(
   "bootstrap-auth-unit|0029|test/unit/test_bootstrap_auth.py"
   "control-mac-unit|0030|test/unit/test_control_mac.py"
   "sample-rooms-unit|0031|test/unit/test_sample_rooms.py"
-  "aux-buffers-startup-unit|0033|test/unit/test_coverage.py -k pd_queue"
+  "aux-buffers-startup-unit|0033|test/unit/test_aux_buffers_startup.py"
   "operator-release|0028|test/pd/test_late_write.py -k operator"
 )
 
