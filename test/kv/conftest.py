@@ -10,12 +10,12 @@ that failed to start fails the tests of its backend only, with both children's l
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 
 import pytest
 from pdsafe_testkit.backends import BACKENDS
 from pdsafe_testkit.kv import HarnessError, KVLane, KVPair
+from pdsafe_testkit.kv.pair import launched
 
 PAGE_SIZES: tuple[int, ...] = (1, 16, 64)
 NUM_PAGES = 64
@@ -35,30 +35,10 @@ def _needed_backends(session: pytest.Session) -> list[str]:
 @pytest.fixture(scope="package")  # torn down after test/kv: its children poll busily
 def kv_pairs(request: pytest.FixtureRequest) -> Iterator[dict[str, KVPair]]:
     """Launched (not yet ready) pairs, one per backend the session's tests use."""
-    pairs: dict[str, KVPair] = {}
-    for backend in _needed_backends(request.session):
-        pair = KVPair(backend, page_size=PAGE_SIZES, num_pages=NUM_PAGES, seed=1234)
-        pairs[backend] = pair
-        try:
-            pair.launch()
-        except HarnessError:
-            pass  # reported by the kv_pair fixture of that backend
-    try:
+    pairs = {backend: KVPair(backend, page_size=PAGE_SIZES, num_pages=NUM_PAGES, seed=1234)
+             for backend in _needed_backends(request.session)}
+    with launched(pairs):
         yield pairs
-    finally:
-        pids = [pid for pair in pairs.values() for pid in pair.child_pids()]
-        for pair in pairs.values():
-            pair.begin_close()
-        for pair in pairs.values():
-            pair.close()
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        assert not alive, f"KV harness children survived close(): {alive}"
 
 
 @pytest.fixture

@@ -627,6 +627,30 @@ def test_hnd_is_refused_because_upstream_pd_does_not_transfer_it(
         kd.prepare(pool)
 
 
+def test_upstream_dsa_tail_payload_raises_for_a_plain_grouped_dsa_pool() -> None:
+    """Pinned upstream 0.5.23 bug (found by the KV harness, issue 20 item 7): both PD queues'
+    ``_dsa_tail_payload`` (disaggregation/prefill.py:1726, decode.py:1779) pass the KV pool
+    itself to ``get_dsa_tail_state_indices``; for a plain ``DSATokenToKVPool`` with the
+    compressed index (GLM-5.3-Flash's indexer) ``use_dsa`` is True (MLATokenToKVPool sets
+    it), so the function reads ``pool.full_kv_pool`` (disaggregation/utils.py:1270-1271),
+    which only ``HybridLinearKVPool`` has: a PD transfer of such a pool raises before its
+    tail ring is sent. Given the hybrid shape, the same function gives the ring segments
+    whose rows the digest reads (``DsaGeometry.tail_rows``). When this test fails, upstream
+    fixed it: drop the adapter in ``pdsafe_testkit.kv.scheduler_glue.Lane.state_indices``."""
+    from sglang.srt.disaggregation.utils import get_dsa_tail_state_indices
+
+    pool = _dsa_kpool_pool()
+    assert pool.use_dsa and not hasattr(pool, "full_kv_pool")
+    with pytest.raises(AttributeError, match="full_kv_pool"):
+        get_dsa_tail_state_indices(pool, 2, 535)
+    # 535 = 133 * 4 + 3: three tail positions from ring slot 532 % 6 = 4, wrapping (4, 5, 0)
+    segments = get_dsa_tail_state_indices(SimpleNamespace(use_dsa=True, full_kv_pool=pool),
+                                          2, 535)
+    assert segments == [2, 4, 2, 0, 1, 6]
+    geo = kd.dsa_geometry(pool)
+    assert geo is not None and list(geo.tail_rows(2, 535)) == [2 * 6 + 4, 2 * 6 + 5, 2 * 6]
+
+
 # --------------------------------------------------------------------------- bindings
 
 

@@ -4,7 +4,9 @@ Invariant: ``classify_components`` tells apart, per page, component and layer, t
 bytes at the right position (OWN), never-written decode memory (POISON), unwritten prefill
 memory (STALE_SOURCE) and anything else (CORRUPT: a flipped bit, a row copied from another
 request or position); slots past the request are ignored; corruptions touch exactly the slot
-and component they name.
+and component they name. The same holds for the grouped-index entries, the tail ring, the
+state slot and the sliding-window sub-pool of the ``dsa-kpool`` / ``hybrid`` / ``swa`` kinds,
+where only the positions each of them owns are classified.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pdsafe_testkit.kv.layouts import (
     REGIONS,
     Component,
     RowCopy,
+    address,
     apply_corruption,
     classify_components,
     fill_data,
@@ -91,3 +94,54 @@ def test_flip_and_row_copy_land_on_exactly_one_slot(comp: str, region: str, lo: 
     with pytest.raises(ValueError):  # never wraps into the next slot
         apply_corruption(comps, PS, BitFlip(layer=0, kv=0, page=1, slot=0, byte=width, bit=0,
                                             component=comp))
+
+
+def _spaced(kind: str, ps: int) -> list[Component]:
+    """Small numpy components of ``kind`` shaped as the lanes shape them."""
+    shapes = {"token": (NUM_PAGES + 1, ps), "entry": (NUM_PAGES + 1, ps // 4), "tail": (5, 6),
+              "state": (9, 1), "swa": (NUM_PAGES + 1, ps)}
+    from pdsafe_testkit.kv.layouts import SPACES
+
+    out = []
+    for layer in (0, 1):
+        for name, space in SPACES[kind].items():
+            out.append(Component(name, layer, np.zeros((*shapes[space], 8), dtype=np.uint8),
+                                 group=4 if space in ("entry", "tail") else 1,
+                                 tail=space == "tail", state=space == "state",
+                                 window=6 if space == "swa" else 0))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dsa-kpool", "hybrid", "swa"])
+def test_grouped_tail_state_and_window_components(kind: str) -> None:
+    """Chunked fills equal one fill and classify OWN; a flip at each component's address of
+    an owned position turns exactly that verdict slot CORRUPT; a flip at an unowned one (a
+    pre-window SWA row, a tail-ring slot of an older position) changes no verdict."""
+    ps, pages, n = 8, [5, 2, 3], 8 + 8 + 7  # 23 % 4 = 3 in the ring; window 6: 17..22
+    kw = {"tail_row": 1, "state_slot": 4}
+    comps = _spaced(kind, ps)
+    fill_pattern(comps, range(1, NUM_PAGES + 1), ps, MAGIC_POISON)
+    fill_data(comps, pages, ps, ROOM_A, 0, 16, **kw)
+    fill_data(comps, pages, ps, ROOM_A, 16, n, **kw)
+    v = classify_components(comps, page_size=ps, pages=pages, room=ROOM_A, num_tokens=n, **kw)
+    assert all(x.kind is PageKind.OWN for x in v), v
+    for c in comps:
+        pos = n - 1
+        page, slot = address(kind, c.name, pages, ps, pos, 1, 4, NUM_PAGES)
+        flip = BitFlip(layer=c.layer, kv=0, page=page, slot=slot, byte=0, bit=0,
+                       component=c.name)
+        apply_corruption(comps, ps, flip)
+        v = classify_components(comps, page_size=ps, pages=pages, room=ROOM_A, num_tokens=n,
+                                **kw)
+        bad = [(b.kv, b.layer, x.page) for x in v for b in x.buffers
+               if any(k is PageKind.CORRUPT for k in b.kinds)]
+        assert bad == [(c.name, c.layer, page)], (c.name, bad)
+        apply_corruption(comps, ps, flip)
+    unowned = {"tail_k": 19, "swa_k": 3}  # an older ring position; a pre-window position
+    for c in comps:
+        if c.name in unowned:
+            page, slot = address(kind, c.name, pages, ps, unowned[c.name], 1, 4, NUM_PAGES)
+            apply_corruption(comps, ps, BitFlip(layer=c.layer, kv=0, page=page, slot=slot,
+                                                byte=0, bit=0, component=c.name))
+    v = classify_components(comps, page_size=ps, pages=pages, room=ROOM_A, num_tokens=n, **kw)
+    assert all(x.kind is PageKind.OWN for x in v)

@@ -98,7 +98,8 @@ class ChildConfig:
     #: real allocator with page generations (``pdsafe_testkit.kv.bookkeeping``).
     bookkeeping: bool = False
     #: The pool class of each lane, aligned with ``page_sizes`` (``layouts.POOL_KINDS``:
-    #: ``mha``, ``mla``, ``dsa``); empty: every lane MHA (the default).
+    #: ``mha``, ``mla``, ``dsa``, ``dsa-kpool``, ``hybrid``, ``swa``); empty: every lane MHA
+    #: (the default).
     pool_kinds: tuple[str, ...] = ()
 
 

@@ -41,12 +41,13 @@ Invariants
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -563,3 +564,32 @@ class KVLane:
         decode.submit("recv_wait_terminal", lane=lane, room=room, timeout=observe)
         p_out, d_out = gather((prefill, timeout + margin), (decode, observe + margin))
         return d_out, p_out, abort_at, None
+
+
+@contextlib.contextmanager
+def launched(pairs: dict[str, KVPair]) -> Iterator[dict[str, KVPair]]:
+    """Launch every pair of ``pairs`` (not waiting for readiness; a pair that fails to launch
+    is left for the fixture that waits on it to report), yield them, then close them all and
+    check that none of their children survived: a test module or package of KV-harness
+    tests leaves no process behind."""
+    for pair in pairs.values():
+        try:
+            pair.launch()
+        except HarnessError:
+            pass  # reported by the fixture that waits for this pair
+    try:
+        yield pairs
+    finally:
+        pids = [pid for pair in pairs.values() for pid in pair.child_pids()]
+        for pair in pairs.values():
+            pair.begin_close()
+        for pair in pairs.values():
+            pair.close()
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        assert not alive, f"KV harness children survived close(): {alive}"

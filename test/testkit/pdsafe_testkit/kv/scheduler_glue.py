@@ -3,7 +3,10 @@
 Runs in the children only (``child.Side`` builds one lane per page size). A *lane* is one page
 size: a published ``ServerArgs`` (``--device cpu``, transfer backend X), the backend's real KV
 manager (``get_kv_class(TransferBackend.X, KVClassType.MANAGER)``) over sglang's real
-``MHATokenToKVPool`` on the CPU, sglang's real ``MetadataBuffers`` as the aux buffers and, on
+``MHATokenToKVPool`` on the CPU (or, by ``pool_kind``, its real MLA, DSA, grouped DSA,
+hybrid-linear + Mamba2 or SWA pool: ``layouts.POOL_KINDS``, with their state components
+registered by ``setup_state_kv_args`` and sent with upstream's own payloads),
+sglang's real ``MetadataBuffers`` as the aux buffers and, on
 prefill, the backend's real bootstrap server. Transfers use the real sender and receiver
 classes, driven the way ``disaggregation/prefill.py`` and ``decode.py`` drive them (``init`` /
 ``send_metadata`` / ``send`` / ``poll`` / ``abort`` / ``clear``), without a scheduler and
@@ -64,8 +67,20 @@ __all__ = ["POLL_INTERVAL_S", "DecodeLane", "Lane", "PrefillLane", "poll_until"]
 
 #: Seconds between two polls of a sender/receiver (the scheduler polls once per loop).
 POLL_INTERVAL_S = 0.0005
-#: The ``req_to_token`` row of the request in flight (row 0 is the pool's padding row).
+#: The ``req_to_token`` row of the request in flight (row 0 is the pool's padding row);
+#: also its ``dsa-kpool`` tail ring row (the pool has ``KPOOL_MAX_RUNNING_REQUESTS + 1``).
 REQ_POOL_IDX = 1
+KPOOL_MAX_RUNNING_REQUESTS = 4
+#: ``hybrid`` lanes: the model's layers (full attention 1 and 3, Mamba2 0 and 2), the Mamba
+#: pool's slots, and the request's state slot on each leg (different on purpose: the state
+#: travels by each leg's own ``req_index_to_mamba_index_mapping``).
+HYBRID_LAYERS = 4
+HYBRID_FULL_LAYERS = [1, 3]
+HYBRID_MAMBA_LAYERS = [0, 2]
+HYBRID_MAMBA_SLOTS = 8
+HYBRID_STATE_SLOT = {"prefill": 2, "decode": 5}
+#: ``swa`` lanes: the same layer split (sliding-window layers 0 and 2, full 1 and 3).
+SWA_LAYERS = [0, 2]
 #: The counters ``kv_integrity.verify_batch`` moves, and the digest outcome each names.
 _DIGEST_COUNTERS: dict[str, str] = {
     "kv_digest_verified_total": "ok",
@@ -203,8 +218,10 @@ class Lane:
             self.pool, self.components = self._layout_pool(cfg, page_size)
             kv_ptrs, kv_lens, kv_item_lens = get_kv_transfer_buf_infos(self.pool)
         # One request row (index 1; row 0 is the padding row): position -> KV slot of the
-        # request being digested (the harness runs one transfer at a time per lane).
-        self.req_to_token_pool = ReqToTokenPool(
+        # request being digested (the harness runs one transfer at a time per lane). A
+        # hybrid lane's is the HybridReqToTokenPool that owns its Mamba pool (built with it).
+        hybrid_rtp = getattr(self, "_hybrid_rtp", None)
+        self.req_to_token_pool = hybrid_rtp if hybrid_rtp is not None else ReqToTokenPool(
             size=1, max_context_len=rows, device="cpu", enable_memory_saver=False
         )
         # The KV digest (issue 10) as the patched PD queues set it up: on by default in PD
@@ -237,7 +254,8 @@ class Lane:
         # Positional pairing, as build_kv_layer_ids gives for MHA (and for MLA/DSA: asked).
         kv_args.kv_layer_ids = [] if pool_kind == "mha" else build_kv_layer_ids(
             token_to_kv_pool=self.pool, draft_token_to_kv_pool=None, num_draft_entries=0,
-            num_hidden_layers=cfg.num_layers)
+            num_hidden_layers=(HYBRID_LAYERS if pool_kind in ("hybrid", "swa")
+                               else cfg.num_layers))
         if self.backend == TransferBackend.NIXL:
             kv_args.kv_data_mem_kinds = ["DRAM"] * len(kv_ptrs)
         self.is_mla_backend = is_mla_backend(self.pool)
@@ -310,29 +328,135 @@ class Lane:
         common = {"size": cfg.num_pages * page_size, "page_size": page_size,
                   "dtype": torch.bfloat16, "kv_lora_rank": lora, "qk_rope_head_dim": rope,
                   "layer_num": cfg.num_layers, "device": "cpu", "enable_memory_saver": False}
+        if self.pool_kind == "hybrid":
+            return self._hybrid_pool(cfg, page_size)
+        if self.pool_kind == "swa":
+            return self._swa_pool(cfg, page_size)
+        group = layouts.KPOOL_GROUP if self.pool_kind == "dsa-kpool" else 1
         if self.pool_kind == "mla":
             pool: Any = MLATokenToKVPool(**common)
         else:
-            if page_size != 64:
-                raise ValueError(f"DSATokenToKVPool needs 64-token pages, not {page_size}")
+            if page_size != 64 * group:
+                raise ValueError(f"{self.pool_kind} needs {64 * group}-token pages, "
+                                 f"not {page_size}")
+            kpool: dict[str, Any] = {} if group == 1 else {
+                "index_kpool": group, "index_kpool_compress": True,
+                "tail_extra_slots": layouts.KPOOL_TAIL_EXTRA,
+                "max_running_requests": KPOOL_MAX_RUNNING_REQUESTS}
             pool = DSATokenToKVPool(**common, index_head_dim=layouts.INDEX_HEAD_DIM,
-                                    kv_cache_dim=lora + rope)
+                                    kv_cache_dim=lora + rope, **kpool)
         comps: list[Component] = []
         for layer in range(cfg.num_layers):
             kv = pool.kv_buffer[layer].view(torch.uint8)
             comps.append(Component("kv", layer, kv.numpy().reshape(
                 kv.shape[0] // page_size, page_size, -1)))
-            if self.pool_kind == "dsa":
+            if self.pool_kind in ("dsa", "dsa-kpool"):
                 buf = pool.index_k_with_scale_buffer[layer].numpy()
                 dim = int(pool.index_head_dim)
                 scale = dim // int(pool.quant_block_size) * 4
-                if buf.shape[1] != page_size * (dim + scale):
+                entries = page_size // group
+                if buf.shape[1] != entries * (dim + scale):
                     raise RuntimeError(f"unexpected DSA index page row of {buf.shape[1]} bytes")
-                comps.append(Component("index_k", layer, buf[:, : page_size * dim].reshape(
-                    buf.shape[0], page_size, dim)))
-                comps.append(Component("index_scale", layer, buf[:, page_size * dim:].reshape(
-                    buf.shape[0], page_size, scale)))
-        widths = {}
+                comps.append(Component("index_k", layer, buf[:, : entries * dim].reshape(
+                    buf.shape[0], entries, dim), group=group))
+                comps.append(Component("index_scale", layer, buf[:, entries * dim:].reshape(
+                    buf.shape[0], entries, scale), group=group))
+            if self.pool_kind == "dsa-kpool":
+                for name, t in zip(("tail_k", "tail_score"),
+                                   pool.get_compress_tail_buffers(layer), strict=True):
+                    if t.shape[1] != layouts.KPOOL_RING:
+                        raise RuntimeError(f"unexpected DSA tail ring of {t.shape[1]} rows")
+                    comps.append(Component(name, layer, t.view(torch.uint8).numpy(),
+                                           group=group, tail=True))
+        self._check_views(comps)
+        return pool, comps
+
+    def _hybrid_pool(self, cfg: ChildConfig, page_size: int) -> tuple[Any, list[Component]]:
+        """A real ``HybridLinearKVPool`` on the CPU and its components' views.
+
+        Its Mamba2 ``MambaPool`` is the one upstream's ``HybridReqToTokenPool`` builds (kept as
+        ``_hybrid_rtp``: the lane's request pool), whose ``req_index_to_mamba_index_mapping``
+        gives the request its state slot (``HYBRID_STATE_SLOT`` of this leg, as its
+        allocator would). Components: ``k`` / ``v`` of each full-attention layer (the full
+        sub-pool's ``k_buffer`` / ``v_buffer`` as ``[pages, page_size, 32]``; layer = index
+        in the full pool), ``conv0`` / ``temporal`` of each Mamba layer
+        (``mamba_cache.conv[0][i]`` / ``temporal[i]`` as ``[slots, 1, bytes]``)."""
+        import torch
+        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+
+        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=64, n_groups=1,
+                                        num_heads=4, head_dim=16, state_size=8, conv_kernel=4)
+        rtp = HybridReqToTokenPool(
+            size=1, mamba_size=HYBRID_MAMBA_SLOTS, mamba_spec_state_size=0,
+            max_context_len=(cfg.num_pages + 1) * page_size, device="cpu",
+            enable_memory_saver=False,
+            cache_params=Mamba2CacheParams(shape=shape, layers=HYBRID_MAMBA_LAYERS),
+            mamba_layer_ids=HYBRID_MAMBA_LAYERS, enable_mamba_extra_buffer=False)
+        rtp.req_index_to_mamba_index_mapping[REQ_POOL_IDX] = HYBRID_STATE_SLOT[cfg.role]
+        self._hybrid_rtp = rtp
+        pool = HybridLinearKVPool(
+            size=cfg.num_pages * page_size, dtype=torch.bfloat16, page_size=page_size,
+            head_num=1, head_dim=layouts.HYBRID_HEAD_BYTES // 2,
+            full_attention_layer_ids=HYBRID_FULL_LAYERS, device="cpu",
+            mamba_pool=rtp.mamba_pool)
+        comps: list[Component] = []
+        full = pool.full_kv_pool
+        for name, bufs in (("k", full.k_buffer), ("v", full.v_buffer)):
+            for layer, b in enumerate(bufs):
+                u8 = b.view(torch.uint8)
+                comps.append(Component(name, layer, u8.numpy().reshape(
+                    u8.shape[0] // page_size, page_size, -1)))
+        cache = rtp.mamba_pool.mamba_cache
+        if len(cache.conv) != 1:
+            raise RuntimeError(f"expected one Mamba2 conv state, not {len(cache.conv)}")
+        for name, t in (("conv0", cache.conv[0]), ("temporal", cache.temporal)):
+            for layer in range(t.shape[0]):
+                u8 = t[layer].view(torch.uint8)
+                comps.append(Component(name, layer, u8.numpy().reshape(u8.shape[0], 1, -1),
+                                       state=True))
+        self._check_views(comps)
+        return pool, comps
+
+    def _swa_pool(self, cfg: ChildConfig, page_size: int) -> tuple[Any, list[Component]]:
+        """A real ``SWAKVPool`` on the CPU, upstream's ``SWATokenToKVPoolAllocator`` over it
+        (``swa_allocator``: its full-to-SWA mapping, set for the request's positions by
+        ``set_request_row`` with ``set_full_to_swa_mapping``; full page ``p`` maps to SWA
+        page ``layouts.swa_page(p)``), and the components' views: ``k`` / ``v`` of the
+        full sub-pool, ``swa_k`` / ``swa_v`` of the SWA sub-pool (``[pages, page_size,
+        32]``; layer = index in the sub-pool; ``window`` = ``layouts.SWA_WINDOW``)."""
+        import torch
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+        size = cfg.num_pages * page_size
+        pool = SWAKVPool(size=size, size_swa=size, page_size=page_size, dtype=torch.bfloat16,
+                         head_num=1, head_dim=layouts.HYBRID_HEAD_BYTES // 2,
+                         swa_attention_layer_ids=SWA_LAYERS,
+                         full_attention_layer_ids=HYBRID_FULL_LAYERS, enable_alt_stream=False,
+                         device="cpu", enable_memory_saver=False)
+        self.swa_allocator = SWATokenToKVPoolAllocator(
+            size=size, size_swa=size, page_size=page_size, dtype=torch.bfloat16,
+            device="cpu", kvcache=pool, need_sort=False)
+        comps: list[Component] = []
+        for prefix, sub, window in (("", pool.full_kv_pool, 0),
+                                    ("swa_", pool.swa_kv_pool, layouts.SWA_WINDOW)):
+            for name, bufs in (("k", sub.k_buffer), ("v", sub.v_buffer)):
+                for layer, b in enumerate(bufs):
+                    u8 = b.view(torch.uint8)
+                    comps.append(Component(prefix + name, layer, u8.numpy().reshape(
+                        u8.shape[0] // page_size, page_size, -1), window=window))
+        self._check_views(comps)
+        return pool, comps
+
+    @property
+    def sliding_window_size(self) -> int | None:
+        """The scheduler's ``sliding_window_size`` (swa lanes), else None."""
+        return layouts.SWA_WINDOW if self.pool_kind == "swa" else None
+
+    def _check_views(self, comps: list[Component]) -> None:
+        """Every component a writable view of the pool, as wide as ``layouts.REGIONS``."""
+        widths: dict[str, int] = {}
         for name, _, _, stop in layouts.REGIONS[self.pool_kind]:
             widths[name] = max(widths.get(name, 0), stop)
         for c in comps:  # views, never copies: the transfer reads and writes the pool
@@ -341,7 +465,11 @@ class Lane:
             if c.array.shape[2] != widths[c.name]:
                 raise RuntimeError(f"component {c.name}: {c.array.shape[2]} bytes a slot, "
                                    f"layouts.REGIONS says {widths[c.name]}")
-        return pool, comps
+
+    @property
+    def state_slot(self) -> int | None:
+        """This leg's state slot of the request in flight (hybrid lanes), else None."""
+        return HYBRID_STATE_SLOT[self.cfg.role] if self.pool_kind == "hybrid" else None
 
     # -- the pool's bytes: MHA through ``pages``' rows, other kinds through ``layouts`` ----
 
@@ -359,7 +487,8 @@ class Lane:
             fill_data_pages(self.buffers, self.layer_kv, pages, self.page_size, room, start,
                             end)
         else:
-            layouts.fill_data(self.components, pages, self.page_size, room, start, end)
+            layouts.fill_data(self.components, pages, self.page_size, room, start, end,
+                              tail_row=REQ_POOL_IDX, state_slot=self.state_slot)
 
     def classify(self, pages: list[int], room: int, num_tokens: int) -> list[Any]:
         """Per-page verdicts of the request's slots (``pages.classify_pages``)."""
@@ -367,7 +496,8 @@ class Lane:
             return classify_pages(self.buffers, self.layer_kv, page_size=self.page_size,
                                   pages=pages, room=room, num_tokens=num_tokens)
         return layouts.classify_components(self.components, page_size=self.page_size,
-                                           pages=pages, room=room, num_tokens=num_tokens)
+                                           pages=pages, room=room, num_tokens=num_tokens,
+                                           tail_row=REQ_POOL_IDX, state_slot=self.state_slot)
 
     def corrupt(self, what: BitFlip | RowCopy) -> tuple[int, int]:
         """Apply one test-only corruption of the pool; (a byte before, after)."""
@@ -379,19 +509,51 @@ class Lane:
 
     def state_indices(self, num_tokens: int) -> list[Any]:
         """The last chunk's / the metadata's state indices, one per ``kv_args.state_types``,
-        by upstream's payload for each type (both queues' ``_dsa_pages_payload``: the
-        request's pages from ``req_to_token`` via ``suffix_page_indices``, prefix 0). Reads
-        row ``REQ_POOL_IDX``: set it first. Empty without state types (MHA, MLA)."""
+        by upstream's payload for each type, as both queues build it: ``_dsa_pages_payload``
+        (the request's pages from ``req_to_token`` via ``suffix_page_indices``, prefix 0),
+        ``_dsa_tail_payload`` (``get_dsa_tail_state_indices`` of the pool, the request's
+        row, its length; see the upstream bug below), ``_mamba_payload`` (the request's
+        translated Mamba slot), ``_swa_payload`` (:meth:`_swa_payload`). Reads row
+        ``REQ_POOL_IDX``: set it first. Empty without state types (MHA, MLA)."""
         from sglang.srt.disaggregation.base.conn import StateType
+        from sglang.srt.disaggregation.utils import get_dsa_tail_state_indices
         from sglang.srt.mem_cache.common import suffix_page_indices
 
         out: list[Any] = []
         for st in self.kv_args.state_types:
-            if st != StateType.DSA:
+            if st == StateType.DSA:
+                out.append(suffix_page_indices(self.req_to_token_pool.req_to_token,
+                                               REQ_POOL_IDX, 0, num_tokens, self.page_size))
+            elif st == StateType.DSA_TAIL:
+                # Upstream's function, on this lane's real pool. Not called with the pool
+                # itself as both queues do: for a plain DSATokenToKVPool (``use_dsa`` is
+                # True, inherited from MLATokenToKVPool) it reads ``pool.full_kv_pool``,
+                # which only a hybrid pool has, and raises AttributeError
+                # (disaggregation/utils.py:1270-1271, 0.5.23; reached from prefill.py:1726
+                # and decode.py:1779). The hybrid shape it expects is given instead; the
+                # failure itself is pinned in test/unit/test_kv_digest.py.
+                as_hybrid = SimpleNamespace(use_dsa=True, full_kv_pool=self.pool)
+                out.append(get_dsa_tail_state_indices(as_hybrid, REQ_POOL_IDX, num_tokens))
+            elif st == StateType.SWA:
+                out.append(self._swa_payload(num_tokens))
+            elif st == StateType.MAMBA:
+                rtp = self.req_to_token_pool
+                out.append([rtp.translate_mamba_indices(
+                    rtp.req_index_to_mamba_index_mapping[REQ_POOL_IDX]).cpu().numpy()])
+            else:
                 raise NotImplementedError(f"state type {st} is not driven by the harness")
-            out.append(suffix_page_indices(self.req_to_token_pool.req_to_token, REQ_POOL_IDX,
-                                           0, num_tokens, self.page_size))
         return out
+
+    def _swa_payload(self, num_tokens: int) -> Any:
+        """Both queues' ``_swa_payload`` (no request window, no prefix): the SWA pages of
+        the window's positions from the page-aligned window start, translated by the
+        allocator (``translate_swa_indices_for_transfer``)."""
+        from sglang.srt.mem_cache.common import kv_to_page_indices, page_align_floor
+
+        start = page_align_floor(max(0, num_tokens - layouts.SWA_WINDOW), self.page_size)
+        full = self.req_to_token_pool.req_to_token[REQ_POOL_IDX, start:num_tokens]
+        return kv_to_page_indices(self.swa_allocator.translate_swa_indices_for_transfer(full),
+                                  self.page_size)
 
     def _before_manager(self) -> None:
         pass
@@ -408,6 +570,11 @@ class Lane:
         slots = token_rows(pages, self.page_size, 0, num_tokens)
         self.req_to_token_pool.req_to_token[REQ_POOL_IDX, :num_tokens] = torch.from_numpy(
             slots).to(self.req_to_token_pool.req_to_token.dtype)
+        if self.pool_kind == "swa":  # what the allocator's alloc sets for these positions
+            swa = [layouts.swa_page(p, self.cfg.num_pages) for p in pages]
+            self.swa_allocator.set_full_to_swa_mapping(
+                torch.from_numpy(slots), torch.from_numpy(token_rows(swa, self.page_size, 0,
+                                                                     num_tokens)))
 
     def _failure_reason(self, room: int) -> str | None:
         with self.mgr.failure_lock:
@@ -907,6 +1074,7 @@ class DecodeLane(Lane):
         before = {name: metrics.value(name) for name in _DIGEST_COUNTERS}
         scheduler = SimpleNamespace(
             req_to_token_pool=self.req_to_token_pool,
+            sliding_window_size=self.sliding_window_size,
             disagg_decode_prealloc_queue=SimpleNamespace(kv_manager=self.mgr),
         )
         refused = kv_integrity.verify_batch(scheduler, [decode_req.req],
