@@ -206,20 +206,26 @@ def case_dsa() -> Case:
     _randomize(list(pool.kv_buffer) + idx_bufs, 5)
     row = _locs([2, 1], 64, 64 + 21)
     owned, outside = _split(row, 0, len(row), 64, _locs([3], 64, 10))
-    page, dim = 64, 128
-
-    # IndexKeyCache: a page row holds all key bytes (page x dim), then all scale bytes (page x 4)
-    def index_regions(slots: list[int]) -> list[Region]:
-        out = []
-        for b in idx_bufs:
-            for s in slots:
-                p, o = divmod(s, page)
-                out.append((f"index_k[{s}]", b[p, o * dim:(o + 1) * dim]))
-                out.append((f"index_scale[{s}]", b[p, page * dim + o * 4:page * dim + o * 4 + 4]))
-        return out
     return Case("DSA", pool, row, 0, len(row),
-                _slot_regions("kv", list(pool.kv_buffer), owned) + index_regions(owned),
-                _slot_regions("kv", list(pool.kv_buffer), outside) + index_regions(outside))
+                _slot_regions("kv", list(pool.kv_buffer), owned)
+                + _index_regions(idx_bufs, owned, 64),
+                _slot_regions("kv", list(pool.kv_buffer), outside)
+                + _index_regions(idx_bufs, outside, 64))
+
+
+def _index_regions(bufs: list[torch.Tensor], entries: list[int], per_page: int,
+                   dim: int = 128) -> list[Region]:
+    """The key and scale bytes of each index entry (a token with index_kpool 1): an
+    IndexKeyCache page row holds its ``per_page`` entries' key bytes (``dim`` each), then their
+    scale bytes (4 each)."""
+    out = []
+    for b in bufs:
+        for e in entries:
+            p, o = divmod(e, per_page)
+            out.append((f"index_k[{e}]", b[p, o * dim:(o + 1) * dim]))
+            out.append((f"index_scale[{e}]",
+                        b[p, per_page * dim + o * 4:per_page * dim + o * 4 + 4]))
+    return out
 
 
 def _dsa_kpool_pool(group: int = 4, compress: bool = True, extra: int = 2) -> Any:
@@ -248,16 +254,6 @@ def case_dsa_kpool() -> Case:
     owned, outside = _split(row, prefix, length, page, _locs([0], page, 0))
     entries = page // group
 
-    def entry_regions(ents: list[int]) -> list[Region]:
-        out = []
-        for b in idx_bufs:
-            for e in ents:
-                p, o = divmod(e, entries)
-                out.append((f"index_k[{e}]", b[p, o * dim:(o + 1) * dim]))
-                out.append((f"index_scale[{e}]",
-                            b[p, entries * dim + o * 4:entries * dim + o * 4 + 4]))
-        return out
-
     def entry_of(loc: int) -> int:
         return loc // page * entries + loc % page // group
 
@@ -273,10 +269,10 @@ def case_dsa_kpool() -> Case:
     other_tail = [(f"tail[{r}][{s}]", _u8(t)[r, s]) for t in tails for r in range(t.shape[0])
                   for s in range(ring) if (r, s) not in {(mine, x) for x in own_slots}]
     return Case("DSA-kpool4-compress", pool, row, prefix, length,
-                _slot_regions("kv", list(pool.kv_buffer), owned) + entry_regions(own_entries)
-                + own_tail,
+                _slot_regions("kv", list(pool.kv_buffer), owned)
+                + _index_regions(idx_bufs, own_entries, entries, dim) + own_tail,
                 _slot_regions("kv", list(pool.kv_buffer), outside)
-                + entry_regions(other_entries) + other_tail,
+                + _index_regions(idx_bufs, other_entries, entries, dim) + other_tail,
                 kwargs={"tail_row": mine})
 
 
