@@ -200,14 +200,24 @@ KNOWN_FINDINGS: dict[str, str] = {
                           "Success, aux data) sends it unsigned; the keyed decode drops it and "
                           "that one request waits for the decode's own timeout (no unsigned "
                           "message may tell it otherwise); not in the CI sample",
-    "control_mac.sealed_for_prefill": "the alias item's prefill leg waits 20 s after the "
-                                      "decode failed its room at the first pairing message "
-                                      "(under investigation); not in the CI sample",
+    "control_mac.sealed_for_prefill": "the alias item's prefill leg waits 20 s: the decode "
+                                      "fails the room at the first pairing message it cannot "
+                                      "sign for a prefill address it had not paired with; no "
+                                      "bootstrap info exists yet, so no ABORT goes out, and "
+                                      "the messages that did go out unsigned are dropped "
+                                      "there (as they must be: anyone could send them); not "
+                                      "in the CI sample",
 }
 #: Closed 2026-12-06: ``coverage.attest_prefill_hook`` and ``page_generation.note_source_chunk``
 #: (the abort items' second request of the refused room waited 20 s on the decode: peer release
 #: told each decode endpoint once per refused room, not once per reservation; it now keys the
 #: answer by the reservation's transfer generation, test/unit/test_peer_release_backends.py).
+#: Closed 2026-12-07: ``control_mac.verified`` (the direct item's prefill leg waited 20 s when
+#: the decode's message for the room, dropped by the failing check, reached the prefill before
+#: the request did:
+#: ``transfer.fail_room`` found no state and recorded nothing; a prefill room failed before its
+#: sender opens is now remembered and that sender fails at once; the fresh-clone CI of
+#: 0c3fb6f, test/unit/test_peer_release_backends.py).
 
 
 def _param(case: tuple[str, str, str]) -> Any:

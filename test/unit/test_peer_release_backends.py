@@ -121,6 +121,34 @@ def test_a_room_a_prefill_check_fails_tells_its_decode_at_once(backend):
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_a_room_failed_before_its_sender_opens_fails_the_sender_at_once(backend):
+    """A prefill check that fails a room it has no state for yet (its decode's metadata came
+    first and was dropped, e.g. ``control_mac.verified`` could not run; the request has not
+    reached this prefill) remembers the room as refused: the sender opened for it later fails
+    at once with the reason. Before, ``fail_room`` returned with nothing recorded and that
+    sender waited for metadata that never came, so its client waited for the bootstrap
+    timeout (the fresh-clone CI of 0c3fb6f: the hook-failure suite's ``direct`` item, prefill
+    leg, no answer within 20 s)."""
+    from types import SimpleNamespace
+
+    from sglang.pdsafe import peer_release, transfer
+    from sglang.pdsafe.policy import Refusal
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    m, sent = _prefill_manager(_backend_managers()[backend])
+    room = random.randrange(1 << 62)
+    reason = "the KV transfer (a control message for it could not be authenticated)"
+    assert not transfer.fail_room(m, room, Refusal(500, reason, "control_mac_failed_total"))
+    assert room not in m.request_status, "no state may be made up for the room"
+    assert not sent, "no decode endpoint is known yet: nothing to tell"
+
+    m.update_status(room, KVPoll.Bootstrapping)  # what upstream's sender does when it opens
+    peer_release.on_sender_created(SimpleNamespace(kv_mgr=m, bootstrap_room=room))
+    assert m.request_status[room] == KVPoll.Failed, "the late sender would wait for metadata"
+    assert reason in str(m.failure_records.get(room)), m.failure_records
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 def test_a_new_reservation_of_a_refused_room_is_told_too(backend):
     """A room refused here is remembered, and every *reservation* a decode publishes for it is
     answered Failed: a client's later request of the room from the same decode endpoint (a new

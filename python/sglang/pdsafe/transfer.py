@@ -445,8 +445,11 @@ def fail_room(kv_mgr: Any, room: Any, refusal: Refusal) -> bool:
     a room failed before or between writes would leave its decode waiting for its bootstrap
     timeout: this function answers the decode's metadata with ``Failed`` and the reason,
     tagged with the generation it sent, now or when the metadata arrives (peer release's
-    ``prefill_rejected``). Returns False when the room has no state on ``kv_mgr`` (nothing
-    to fail: the caller refuses by other means)."""
+    ``prefill_rejected``). A prefill room with no state yet (its decode's metadata came
+    first, its request has not arrived) is remembered as refused the same way: the sender
+    opened for it later fails at once (``peer_release.on_sender_created``) instead of waiting
+    for metadata that was dropped. Returns False when the room has no state on ``kv_mgr``
+    (nothing failed now: the caller refuses by other means)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     if room is None or kv_mgr is None:
@@ -457,17 +460,17 @@ def fail_room(kv_mgr: Any, room: Any, refusal: Refusal) -> bool:
         rec.refuse(refusal)
     kv_mgr.record_failure(room, refusal.reason)
     status = kv_mgr.pdsafe_room_status(room)
-    if status is None:
-        return False
-    if status != KVPoll.Success:
-        kv_mgr.update_status(room, KVPoll.Failed)
-        if _side_of(kv_mgr) == "prefill":
+    prefill = _side_of(kv_mgr) == "prefill"
+    if status is None or status != KVPoll.Success:
+        if status is not None:
+            kv_mgr.update_status(room, KVPoll.Failed)
+        if prefill:
             # peer_release imports this module: the import cannot be at module level.
             from sglang.pdsafe import peer_release
 
             peer_release.prefill_rejected(kv_mgr, room, refusal.reason,
                                           status=refusal.status)
-    return True
+    return status is not None
 
 
 def records(kv_mgrs: Iterable[Any]) -> list[Transfer]:
