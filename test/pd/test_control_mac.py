@@ -39,19 +39,16 @@ def _dropped(pd, kind: str) -> float:
     return pd.prefill.metric(f"{PREFIX}unauthenticated_{kind}_dropped_total")
 
 
-def test_a_keyless_process_cannot_join_a_live_transfer(pd, oracle, model_path):
-    rng = random.Random(f"control-mac-{pd.backend}")
-    attacker = Attacker(pd.backend, f"127.0.0.1:{pd.prefill.bootstrap_port}")
-    before = {k: _dropped(pd, k) for k in KINDS}
-    ids = random_prompt(rng, 120, model_path)
-    room = rng.randrange(1 << 62)
+def _under_attack(pd, oracle, ids: list[int], room: int, attack_round) -> int:
+    """Run ``attack_round()`` every 50 ms from before a request of ``room`` reaches the pair
+    until both legs answered; the decode leg must be reference-identical and the prefill leg
+    served. Returns the number of rounds sent."""
     stop = threading.Event()
     rounds = [0]
 
     def attack() -> None:
         while not stop.is_set():
-            frames = attacker.frames(room, rng.randrange(1, 1 << 63))
-            attacker.send(frames + attacker.signed_with_own_key(frames, "not-the-cluster-key"))
+            attack_round()
             rounds[0] += 1
             time.sleep(0.05)
 
@@ -66,16 +63,99 @@ def test_a_keyless_process_cannot_join_a_live_transfer(pd, oracle, model_path):
     oracle.assert_identical(d, ids, MAX_NEW, what=f"{pd.backend} decode leg of room {room} "
                                                    f"under attack ({rounds[0]} rounds)")
     assert p.ok, f"{pd.backend}: prefill leg {p.status}: {p.error_message}"
+    return rounds[0]
+
+
+def _counted(read, want: dict[str, float], what: str) -> None:
+    """``read()`` (counter deltas by kind) reaches ``want`` within 10 s (the counters are
+    exported about once a second)."""
     deadline = time.monotonic() + 10
-    while True:  # the counters are exported about once a second
-        got = {k: _dropped(pd, k) - before[k] for k in KINDS}
-        if all(v >= 2 * rounds[0] for v in got.values()) or time.monotonic() > deadline:
+    while True:
+        got = read()
+        if all(got[k] >= want[k] for k in want) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert all(v >= 2 * rounds[0] for v in got.values()), (
-        f"{pd.backend}: {rounds[0]} attack rounds (each kind unsigned and wrongly signed), "
-        f"dropped: {got}")
+    assert all(got[k] >= want[k] for k in want), f"{what}: dropped {got}, expected {want}"
+
+
+def test_a_keyless_process_cannot_join_a_live_transfer(pd, oracle, model_path):
+    rng = random.Random(f"control-mac-{pd.backend}")
+    attacker = Attacker(pd.backend, f"127.0.0.1:{pd.prefill.bootstrap_port}")
+    before = {k: _dropped(pd, k) for k in KINDS}
+    ids = random_prompt(rng, 120, model_path)
+    room = rng.randrange(1 << 62)
+
+    def attack_round() -> None:
+        frames = attacker.frames(room, rng.randrange(1, 1 << 63))
+        attacker.send(frames + attacker.signed_with_own_key(frames, "not-the-cluster-key"))
+
+    rounds = _under_attack(pd, oracle, ids, room, attack_round)
+    _counted(lambda: {k: _dropped(pd, k) - before[k] for k in KINDS},
+             dict.fromkeys(KINDS, 2 * rounds),
+             f"{pd.backend}: {rounds} attack rounds (each kind unsigned and wrongly signed)")
 
     q = random_prompt(rng, 60, model_path)
     oracle.assert_identical(generate(pd.router.url, q, MAX_NEW), q, MAX_NEW,
                             what=f"{pd.backend} router request after the attack")
+
+
+DECODE_KINDS = {"mooncake": ("kv_status", "aux_data", "abort_ack"),
+                "nixl": ("kv_status", "chunk_ready", "abort_ack")}
+
+
+def _decode_dropped(pd) -> dict[str, float]:
+    kinds = DECODE_KINDS[pd.backend]
+    out = {k: pd.decode.metric(f"{PREFIX}unauthenticated_{k}_dropped_total") for k in kinds}
+    out["stale"] = sum(pd.decode.metric(f"{PREFIX}stale_{k}_dropped_total")
+                       for k in kinds if k != "abort_ack")
+    return out
+
+
+def test_a_keyless_process_cannot_touch_a_decodes_live_room(pd, oracle, model_path):
+    """The decode side of the attack: the attacker finds the decode's control port by scanning
+    the decode's listening ports for a ZMQ greeting (the port is published nowhere) and, while
+    a request of room R is in flight, sends it what a prefill would: Success and Failed
+    statuses, aux data (Mooncake) or CHUNK_READY (NIXL), ABORT_ACKs, each with a guessed
+    generation and without one, unsigned and signed with a key of its own. (Not sent: a
+    generation-less Failed, which fails R if it lands before the decode sent R's metadata; a
+    denial of one room whose number the attacker must already know, no page read or freed:
+    ``DecodeAttacker.frames``.) Without the key, a Success would conclude R's transfer over
+    pages nobody wrote, aux data would seed R's first token, a Failed would fail R, an ACK
+    would release pages a writer may still reach (upstream's real decode control loop takes
+    each: test/unit/test_control_mac.py and test/unit/test_transfer_generation.py, their no-key
+    variants). Keyed: R's answer is
+    reference-identical, the pair serves the next request, and the messages are counted as
+    dropped by type (those with a generation or a MAC as unauthenticated, the generation-less
+    Success and aux/chunk notices as stale)."""
+    from pdsafe_testkit.attacker import DecodeAttacker, zmq_listening_ports
+
+    rng = random.Random(f"control-mac-decode-{pd.backend}")
+    attacker = DecodeAttacker(pd.backend, zmq_listening_ports(pd.decode.process.proc.pid))
+    before = _decode_dropped(pd)
+    ids = random_prompt(rng, 120, model_path)
+    room = rng.randrange(1 << 62)
+
+    def attack_round() -> None:
+        by_kind = attacker.frames(room, rng.randrange(1, 1 << 63))
+        unsigned = [m for ms in by_kind.values() for m in ms]
+        attacker.send(unsigned + attacker.signed_with_own_key(unsigned, "not-the-key"))
+
+    rounds = _under_attack(pd, oracle, ids, room, attack_round)
+    # Per round and kind: the copies signed with the attacker's key and the unsigned ones that
+    # carry a generation (kv_status: three signed, two unsigned; aux/chunk: two and one); the
+    # generation-less Success and aux/chunk notices are stale (two). The ACKs count only their
+    # signed copies for sure: an unsigned one is dropped once R's metadata is out; before, no
+    # abort of R exists that it could touch (upstream ignores an ACK no abort waits for).
+    want = {k: (5 if k == "kv_status" else 2 if k == "abort_ack" else 3) * rounds
+            for k in DECODE_KINDS[pd.backend]}
+    want["stale"] = 2 * rounds
+
+    def delta() -> dict[str, float]:
+        after = _decode_dropped(pd)
+        return {k: after[k] - before[k] for k in after}
+
+    _counted(delta, want, f"{pd.backend}: {rounds} decode-side attack rounds")
+
+    q = random_prompt(rng, 60, model_path)
+    oracle.assert_identical(generate(pd.router.url, q, MAX_NEW), q, MAX_NEW,
+                            what=f"{pd.backend} next request after the decode-side attack")

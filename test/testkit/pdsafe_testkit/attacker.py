@@ -12,6 +12,7 @@ It holds no key: its frames go unsigned, or signed with a key of its own.
 from __future__ import annotations
 
 import random
+import struct
 from types import SimpleNamespace
 from typing import Any
 
@@ -88,14 +89,124 @@ class Attacker:
 
     def send(self, messages: list[list[bytes]]) -> None:
         """Push ``messages`` to the prefill rank's bootstrap socket."""
-        import zmq
+        push(self.rank_addr, messages)
 
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(self.rank_addr)
+
+def push(addr: str, messages: list[list[bytes]]) -> None:
+    """Send ``messages`` to the ZMQ socket at ``addr`` from a PUSH socket of the attacker's."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(addr)
+    try:
+        for msg in messages:
+            sock.send_multipart(msg)
+    finally:
+        sock.close()
+
+
+# ------------------------------------------------------------------------- the decode side
+
+#: ZMTP 3's greeting starts with 0xFF, eight padding bytes, then 0x7F (the signature): what
+#: any ZMQ socket sends first on a new TCP connection, so a port scan can tell them apart.
+_ZMTP_SIGNATURE = (0xFF, 0x7F)
+
+
+def zmq_listening_ports(pid: int, host: str = "127.0.0.1") -> list[int]:
+    """The TCP ports a server process tree listens on at ``host`` that answer with a ZMQ
+    greeting: what a scanning attacker finds. The decode publishes its control port nowhere
+    (its prefill learns it from the decode's own metadata), so an attacker on the network
+    scans for it; here the scan is narrowed to the server's process tree."""
+    import socket
+
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    ports: set[int] = set()
+    for p in procs:
         try:
-            for msg in messages:
-                sock.send_multipart(msg)
-        finally:
-            sock.close()
+            conns = p.net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        ports |= {c.laddr.port for c in conns
+                  if c.status == psutil.CONN_LISTEN and c.laddr.ip in (host, "0.0.0.0")}
+    found = []
+    for port in sorted(ports):
+        try:
+            with socket.create_connection((host, port), timeout=1.0) as s:
+                s.settimeout(1.0)
+                head = s.recv(10)
+        except OSError:
+            continue
+        if len(head) >= 10 and (head[0], head[9]) == _ZMTP_SIGNATURE:
+            found.append(port)
+    return found
+
+
+class DecodeAttacker:
+    """What a process without the cluster key can send a decode's control port (found by a
+    scan, :func:`zmq_listening_ports`) to name a room it learnt: every message type a prefill
+    sends a decode, in upstream's own frame formats for ``backend``, with a generation it
+    guessed and without one, unsigned or signed with a key of its own."""
+
+    PREFILL_RANK = 0
+
+    def __init__(self, backend: str, ports: list[int], host: str = "127.0.0.1") -> None:
+        assert ports, "the scan found no ZMQ port on the decode"
+        self.backend = backend
+        self.addrs = [f"tcp://{host}:{p}" for p in ports]
+
+    def _status(self, room: int, status: int, generation: int | None) -> list[bytes]:
+        head = [str(room).encode(), str(status).encode(), str(self.PREFILL_RANK).encode()]
+        gen = [] if generation is None else [b"PDSAFE_GEN1:" + str(generation).encode()]
+        if self.backend == "nixl":
+            return [b"KV_STATUS", *head, b"forged by a keyless process"] + gen
+        return head + [b"forged by a keyless process"] + gen
+
+    def frames(self, room: int, generation: int) -> dict[str, list[list[bytes]]]:
+        """Message kind (``control_mac.decode_kind``) -> the unsigned forgeries naming ``room``:
+        Success and Failed statuses, aux data (Mooncake sends it over TCP; NIXL writes it),
+        CHUNK_READY (NIXL's staging notice) and ABORT_ACK, each with ``generation`` and
+        without one (the format of a prefill that carries none), except a generation-less
+        Failed: that one is upstream's to act on until the decode sent the room's metadata (a
+        prefill answers a refused room's deferred BOOTSTRAP with it); it fails the room but
+        reads and frees no page (``transfer_generation.drops_stale_message``)."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.disaggregation.common.conn import AbortAck
+
+        gen = [b"PDSAFE_GEN1:" + str(generation).encode()]
+        out: dict[str, list[list[bytes]]] = {
+            "kv_status": [self._status(room, int(KVPoll.Success), generation),
+                          self._status(room, int(KVPoll.Success), None),
+                          self._status(room, int(KVPoll.Failed), generation)],
+            "abort_ack": [list(AbortAck(room, self.PREFILL_RANK, g).to_zmq())
+                          for g in (generation, None)],
+        }
+        if self.backend == "mooncake":
+            data = b"\x00" * 64
+            aux = [b"AUX_DATA", str(room).encode(), b"0", b"0",
+                   struct.pack(">I", len(data)), data]
+            out["aux_data"] = [aux + gen, aux]
+        else:
+            chunk = [b"CHUNK_READY", str(room).encode(), b"0", b"0", b"1", b"attacker",
+                     str(self.PREFILL_RANK).encode()]
+            out["chunk_ready"] = [chunk + gen, chunk]
+        return out
+
+    @staticmethod
+    def signed_with_own_key(messages: list[list[bytes]], key: str) -> list[list[bytes]]:
+        """``messages`` with a prefill-to-decode MAC under ``key`` (not the cluster's)."""
+        from sglang.pdsafe import control_mac
+
+        (k,) = control_mac._mac_keys((key,))
+        return [control_mac.seal(k, control_mac.P2D, m) for m in messages]
+
+    def send(self, messages: list[list[bytes]]) -> None:
+        """Push ``messages`` to every port the scan found."""
+        for addr in self.addrs:
+            push(addr, messages)
