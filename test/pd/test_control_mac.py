@@ -117,7 +117,7 @@ def test_a_keyless_process_cannot_touch_a_decodes_live_room(pd, oracle, model_pa
     a request of room R is in flight, sends it what a prefill would: Success and Failed
     statuses, aux data (Mooncake) or CHUNK_READY (NIXL), ABORT_ACKs, each with a guessed
     generation and without one, unsigned and signed with a key of its own. (Not sent: a
-    generation-less Failed, which fails R if it lands before the decode sent R's metadata; a
+    generation-less Failed, which can fail R while the decode has not yet sent R's metadata; a
     denial of one room whose number the attacker must already know, no page read or freed:
     ``DecodeAttacker.frames``.) Without the key, a Success would conclude R's transfer over
     pages nobody wrote, aux data would seed R's first token, a Failed would fail R, an ACK

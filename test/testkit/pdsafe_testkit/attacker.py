@@ -173,9 +173,9 @@ class DecodeAttacker:
         Success and Failed statuses, aux data (Mooncake sends it over TCP; NIXL writes it),
         CHUNK_READY (NIXL's staging notice) and ABORT_ACK, each with ``generation`` and
         without one (the format of a prefill that carries none), except a generation-less
-        Failed: that one is upstream's to act on until the decode sent the room's metadata (a
-        prefill answers a refused room's deferred BOOTSTRAP with it); it fails the room but
-        reads and frees no page (``transfer_generation.drops_stale_message``)."""
+        Failed: that one is upstream's to act on while the decode has not yet sent the room's
+        metadata (a prefill answers a refused room's deferred BOOTSTRAP with it); it can fail
+        the room but reads and frees no page (``transfer_generation.drops_stale_message``)."""
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.common.conn import AbortAck
 
