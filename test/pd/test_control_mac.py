@@ -116,17 +116,19 @@ def test_a_keyless_process_cannot_touch_a_decodes_live_room(pd, oracle, model_pa
     the decode's listening ports for a ZMQ greeting (the port is published nowhere) and, while
     a request of room R is in flight, sends it what a prefill would: Success and Failed
     statuses, aux data (Mooncake) or CHUNK_READY (NIXL), ABORT_ACKs, each with a guessed
-    generation and without one, unsigned and signed with a key of its own. (Not sent: a
-    generation-less Failed, which can fail R while the decode has not yet sent R's metadata; a
-    denial of one room whose number the attacker must already know, no page read or freed:
-    ``DecodeAttacker.frames``.) Without the key, a Success would conclude R's transfer over
+    generation and without one, unsigned and signed with a key of its own. Without the key, a
+    Success would conclude R's transfer over
     pages nobody wrote, aux data would seed R's first token, a Failed would fail R, an ACK
     would release pages a writer may still reach (upstream's real decode control loop takes
     each: test/unit/test_control_mac.py and test/unit/test_transfer_generation.py, their no-key
     variants). Keyed: R's answer is
     reference-identical, the pair serves the next request, and the messages are counted as
     dropped by type (those with a generation or a MAC as unauthenticated, the generation-less
-    Success and aux/chunk notices as stale)."""
+    ones as stale). The generation-less Failed failed R until 2026-12-07 when it landed while
+    R's receiver was open and its metadata not yet out (upstream takes it as the request's
+    terminal state): ``transfer_generation.drops_stale_message`` now drops it there, since no
+    prefill can address a notice to a room this decode told none about
+    (test/unit/test_transfer_generation.py)."""
     from pdsafe_testkit.attacker import DecodeAttacker, zmq_listening_ports
 
     rng = random.Random(f"control-mac-decode-{pd.backend}")
@@ -142,11 +144,13 @@ def test_a_keyless_process_cannot_touch_a_decodes_live_room(pd, oracle, model_pa
 
     rounds = _under_attack(pd, oracle, ids, room, attack_round)
     # Per round and kind: the copies signed with the attacker's key and the unsigned ones that
-    # carry a generation (kv_status: three signed, two unsigned; aux/chunk: two and one); the
-    # generation-less Success and aux/chunk notices are stale (two). The ACKs count only their
-    # signed copies for sure: an unsigned one is dropped once R's metadata is out; before, no
-    # abort of R exists that it could touch (upstream ignores an ACK no abort waits for).
-    want = {k: (5 if k == "kv_status" else 2 if k == "abort_ack" else 3) * rounds
+    # carry a generation (kv_status: four signed, two unsigned; aux/chunk: two and one); the
+    # generation-less Success and aux/chunk notices are stale (two; the generation-less Failed
+    # too once R's receiver is open: before, upstream ignores a status of a room nobody holds).
+    # The ACKs count only their signed copies for sure: an unsigned one is dropped once R's
+    # metadata is out; before, no abort of R exists that it could touch (upstream ignores an
+    # ACK no abort waits for).
+    want = {k: (6 if k == "kv_status" else 2 if k == "abort_ack" else 3) * rounds
             for k in DECODE_KINDS[pd.backend]}
     want["stale"] = 2 * rounds
 

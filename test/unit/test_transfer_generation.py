@@ -731,6 +731,33 @@ def test_a_replayed_success_before_the_new_reservation_is_minted_is_dropped(monk
     assert receiver.poll() == KVPoll.Bootstrapping
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failed_notice_before_the_metadata_went_out_is_dropped(monkeypatch, backend):
+    """A receiver holds the room and has told no prefill about it yet (bootstrapping, no
+    metadata, no deferred BOOTSTRAP): a Failed naming the room, without a generation (what a
+    keyless process sends) or with one (an earlier reservation's late notice), is dropped and
+    counted; upstream would take it as the new request's terminal state (the decode-side
+    attacker's denial, test/pd/test_control_mac.py). A room whose receiver sent a deferred
+    BOOTSTRAP (``prefill_complete`` allocation) takes its prefill's notices before any
+    metadata: upstream's, as before."""
+    rank = _Rank(monkeypatch, backend)
+    room, deferred = cap._rooms(2)
+    receiver = rank.receiver(room)
+    before = _counts()
+    failed = _upstream_status(backend, room, KVPoll.Failed, "forged", reason_frame=True)
+    _deliver(monkeypatch, rank.kv, [failed, failed + [_gen(12345)]])
+    assert receiver.poll() == KVPoll.Bootstrapping, "a notice nobody could address was taken"
+    assert _delta(before) == {tg.STALE_STATUS: 2}
+
+    other = rank.receiver(deferred)
+    tg.note_bootstrap_sent(rank.kv, deferred)
+    _deliver(monkeypatch, rank.kv, [_upstream_status(backend, deferred, KVPoll.Failed,
+                                                     "Prefill bootstrap failed",
+                                                     reason_frame=True)])
+    assert other.poll() == KVPoll.Failed
+    assert _delta(before) == {tg.STALE_STATUS: 2}
+
+
 def test_mooncake_late_aux_before_the_new_reservation_is_minted_writes_nothing(monkeypatch):
     room = _room()
     rank, first, prefill = _served(monkeypatch, "mooncake", room)

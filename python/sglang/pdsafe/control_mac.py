@@ -460,6 +460,9 @@ def sealed_for_prefill(kv_mgr: Any, room: Any, bootstrap_addr: str,
     ABORT and deferred BOOTSTRAP; ``room``: the receiver sending it): signed when that
     prefill published this wire version and this leg has a key; otherwise unchanged (a
     stock prefill under the waiver)."""
+    if message and bytes(message[0]) == _BOOTSTRAP:
+        # Its prefill may now address notices of the room to this decode (before metadata).
+        transfer_generation.note_bootstrap_sent(kv_mgr, room)
     ks = _keys_of(kv_mgr)
     if not ks or not kv_mgr.pdsafe_transfer_generation_wired:
         return message  # MORI: its prefill does not check (nor expect) the frame

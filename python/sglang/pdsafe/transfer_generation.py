@@ -314,6 +314,9 @@ class _DecodeTable:
     def __init__(self) -> None:
         self.counter = itertools.count(1)
         self.last_sent: OrderedDict[int, int] = OrderedDict()
+        #: Rooms this decode sent a deferred BOOTSTRAP for (``prefill_complete`` allocation):
+        #: their prefill may address readiness and Failed notices to them before any metadata.
+        self.bootstrap_sent: OrderedDict[int, None] = OrderedDict()
 
 
 def _decode_table(kv_mgr: Any) -> _DecodeTable:
@@ -436,6 +439,29 @@ def released(receiver: Any) -> None:
         lg.close(rec)
 
 
+def note_bootstrap_sent(kv_mgr: Any, room: Any) -> None:
+    """Decode, as its receiver sends the room's deferred BOOTSTRAP (upstream's
+    ``prefill_complete`` allocation policy, the only one that sends it): from here on the
+    room's prefill knows this decode's endpoint and may address readiness or Failed notices to
+    the room before any metadata went out (:func:`drops_stale_message`). Bounded
+    (:data:`MAX_ROOMS`, oldest dropped: a dropped room's notices are upstream's again)."""
+    if room is None:
+        return
+    table = _decode_table(kv_mgr)
+    lg = transfer.leg(kv_mgr)
+    with lg.lock:
+        table.bootstrap_sent[int(room)] = None
+        table.bootstrap_sent.move_to_end(int(room))
+        while len(table.bootstrap_sent) > MAX_ROOMS:
+            table.bootstrap_sent.popitem(last=False)
+
+
+def _bootstrap_sent(kv_mgr: Any, room: int) -> bool:
+    lg = transfer.leg(kv_mgr)
+    with lg.lock:
+        return int(room) in _decode_table(kv_mgr).bootstrap_sent
+
+
 def live_reservation(kv_mgr: Any, room: int) -> Live | None:
     """The room's reservation on this decode rank once its metadata went out, else None."""
     lg = transfer.leg_if_any(kv_mgr)
@@ -530,7 +556,7 @@ def drops_stale_message(kv_mgr: Any, kind: str, msg: Sequence[bytes]) -> bool:
         # No metadata of this decode for the room is out: nothing its prefill sends can be
         # for a reservation of it (a Success would conclude a receiver that sent nothing, aux
         # data would write a slot the room does not own). Readiness and Failed notices may
-        # come first (deferred bootstrap, peer release) and change no page: upstream's.
+        # come first only after a deferred BOOTSTRAP (they change no page): upstream's.
         if kind == "aux_data":
             held = kv_mgr.pdsafe_room_status(room) is not None
             return _drop(counter, kind, room, "this decode holds no reservation of the room"
@@ -538,6 +564,15 @@ def drops_stale_message(kv_mgr: Any, kind: str, msg: Sequence[bytes]) -> bool:
         if kind == "chunk_ready" or _is_success(detail):
             return _drop(counter, kind, room, "this decode sent no metadata for the room "
                                               "(it was not reserved, or was released)")
+        if kv_mgr.pdsafe_room_status(room) is not None and not _bootstrap_sent(kv_mgr, room):
+            # A receiver holds the room and has told no prefill about it yet (no metadata, no
+            # deferred BOOTSTRAP): no prefill has this decode's endpoint for the room, so the
+            # notice is forged or an earlier reservation's late one, and upstream would take a
+            # Failed as the new request's terminal state. (With no receiver, upstream ignores
+            # any status but a request's opening one: passed on.)
+            return _drop(counter, kind, room, "this decode has sent no prefill the room's "
+                                              "metadata or a deferred BOOTSTRAP yet, so no "
+                                              "prefill can address a notice of it here")
         return False
     live = reservation if reservation.sent else None
     if live is None:

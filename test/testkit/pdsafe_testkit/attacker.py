@@ -172,18 +172,14 @@ class DecodeAttacker:
         """Message kind (``control_mac.decode_kind``) -> the unsigned forgeries naming ``room``:
         Success and Failed statuses, aux data (Mooncake sends it over TCP; NIXL writes it),
         CHUNK_READY (NIXL's staging notice) and ABORT_ACK, each with ``generation`` and
-        without one (the format of a prefill that carries none), except a generation-less
-        Failed: that one is upstream's to act on while the decode has not yet sent the room's
-        metadata (a prefill answers a refused room's deferred BOOTSTRAP with it); it can fail
-        the room but reads and frees no page (``transfer_generation.drops_stale_message``)."""
+        without one (the format of a prefill that carries none)."""
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.common.conn import AbortAck
 
         gen = [b"PDSAFE_GEN1:" + str(generation).encode()]
         out: dict[str, list[list[bytes]]] = {
-            "kv_status": [self._status(room, int(KVPoll.Success), generation),
-                          self._status(room, int(KVPoll.Success), None),
-                          self._status(room, int(KVPoll.Failed), generation)],
+            "kv_status": [self._status(room, int(s), g)
+                          for s in (KVPoll.Success, KVPoll.Failed) for g in (generation, None)],
             "abort_ack": [list(AbortAck(room, self.PREFILL_RANK, g).to_zmq())
                           for g in (generation, None)],
         }
