@@ -63,8 +63,18 @@ def _skeleton(mod: ModuleType | None, node: ast.expr) -> str | None:
     return None
 
 
+def _parse(source: str) -> ast.Module:
+    """``ast.parse``, once more after CPython 3.11's spurious ``SystemError: AST constructor
+    recursion depth mismatch`` (a process-global counter that another thread's AST work can
+    leave off: CPython gh-106905; seen once in this suite, 2026-12-07)."""
+    try:
+        return ast.parse(source)
+    except SystemError:
+        return ast.parse(source)
+
+
 def _strings(path: Path, mod: ModuleType | None) -> list[str]:
-    tree = ast.parse(path.read_text())
+    tree = _parse(path.read_text())
     return [s for node in ast.walk(tree)
             if isinstance(node, (ast.Constant, ast.JoinedStr, ast.BinOp))
             and (s := _skeleton(mod, node)) is not None and len(s) >= MIN_FRAGMENT]
