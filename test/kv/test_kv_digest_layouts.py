@@ -1,5 +1,5 @@
-"""Issue 20 item 7: the KV digest on REAL MLA, DSA, grouped-DSA, hybrid and SWA pools, over the
-REAL Mooncake and NIXL.
+"""Issue 20 item 7: the KV digest on REAL MLA, DSA, grouped-DSA, hybrid and SWA pools, and on a
+real draft pool next to a real target pool, over the REAL Mooncake and NIXL.
 
 Each trial is one request moved by the KV harness (``pdsafe_testkit.kv``) between two processes
 whose lanes build, on the CPU and small, one real sglang pool per kind
@@ -22,41 +22,61 @@ whose lanes build, on the CPU and small, one real sglang pool per kind
 * ``swa``: ``SWAKVPool`` (full layers 1, 3; sliding-window layers 0, 2; page 24, window 30)
   with upstream's ``SWATokenToKVPoolAllocator`` mapping full to SWA slots (full page ``p`` to
   SWA page ``17 - p``), the window's SWA pages sent as ``StateType.SWA`` with upstream's
-  ``_swa_payload`` (page-aligned window start, ``translate_swa_indices_for_transfer``).
+  ``_swa_payload`` (page-aligned window start, ``translate_swa_indices_for_transfer``);
+* ``mha-draft`` (EAGLE's shape): an ``MHATokenToKVPool`` target (2 layers, 1 head of 16
+  bf16, page 8) and a separate ``MHATokenToKVPool`` draft of 1 layer (as the draft worker
+  builds its own pool: same size and page size, layers from 0);
+* ``mla-draft`` (DeepSeek/GLM MTP's shape): an ``MLATokenToKVPool`` target (2 layers, page
+  40) and a separate ``MLATokenToKVPool`` draft of 1 layer (the NextN layer).
 
 All are registered for the transfer the way the PD queues register them
 (``get_kv_transfer_buf_infos``, ``is_mla_backend`` to the manager, ``build_kv_layer_ids``,
-``setup_state_kv_args``). Prefill's "forward" fills the request's owned slots of every
+``setup_state_kv_args``); the draft kinds as both queues' ``_init_kv_manager`` register
+``draft_token_to_kv_pool`` (its ``get_contiguous_buf_infos()`` appended to ``kv_data_ptrs``,
+``num_draft_entries``, the draft pool passed to ``build_kv_layer_ids`` and
+``setup_state_kv_args``), and each leg's digester is given the draft pool as the queues give
+it (``kv_integrity.leg_digester(pool, disagg, draft_token_to_kv_pool)``: components
+``draft.*`` after the target's). The draft KV shares the target's token indices: the same
+pages carry both. Prefill's "forward" fills the request's owned slots of every
 component with bytes derived from (room, position) (``layouts``); the patched
 ``send_kv_chunk`` digests them (``kv_integrity.prefill_write_row``), decode keeps the row at
 commit and checks its own pool against it (``kv_integrity.verify_batch``, with the scheduler's
 ``sliding_window_size``). Between the commit and the check a trial may corrupt decode's pool
-(test-only, in the harness). One harness pair per backend hosts all five lanes.
+(test-only, in the harness). One harness pair per backend hosts all seven lanes.
 
 What it shows, per backend and pool kind (requests of three pages, the last one partial;
 scattered pages; one chunk or page-sized chunks):
 
 * untouched transfers verify (the ``kv_digest_verified_total`` counter moved: outcome ``ok``),
   and every owned slot of every component (index entries, tail ring rows, the state slot, the
-  window's SWA rows included) holds exactly the request's bytes on decode;
+  window's SWA rows, every draft layer's rows included) holds exactly the request's bytes
+  on decode;
 * one bit flipped after the transfer in each region decode reads is refused as a digest
   MISMATCH: the MLA latent and rope parts; DSA's indexer key and scale bytes of the slot (of
   the slot's *entry* for ``dsa-kpool``); ``dsa-kpool``'s ``tail_k`` and ``tail_score`` rows of
   the request's ring; the hybrid's full K and V rows and the request's Mamba2 ``conv`` and
   ``temporal`` state (decode's slot); the SWA pool's full K/V rows and the SWA K/V rows of
-  window positions. One flip per region at the last owned position (the partial last page,
-  the partial last group's entry, the last ring row of a tail that wraps the ring: slots 4,
-  5, 0), one at a random owned position;
+  window positions; the target's and the draft pool's K and V rows (``mha-draft``), latent
+  and rope parts (``mla-draft``). One flip per region at the last owned position (the
+  partial last page, the partial last group's entry, the last ring row of a tail that wraps
+  the ring: slots 4, 5, 0), one at a random owned position;
 * a foreign row copied over an owned slot of one component is refused: another request's row
   still in decode's pool (for the tail ring and the Mamba state, whose row/slot every trial
-  reuses: another request's ring row / state slot, never written by these transfers), and
-  another position's row of the same request;
+  reuses: another request's ring row / state slot, never written by these transfers; for
+  the draft kinds, in each target and each draft component), and another position's row of
+  the same request (the first target component);
 * a flip in bytes the request does not own still verifies: a page it did not reserve (another
   request's tail-ring row, another state slot, an unreserved SWA page), the tail of its last
   page (the entries after its last group; ring slots of older positions; the state slot
   *prefill* used, on decode; an SWA row of a position before the window);
 * the harness's classifier confirms where each corruption landed (exactly the targeted owned
   slot of the targeted component turns CORRUPT, or no owned slot changes).
+
+The draft cases can fail: with ``kv_digest.prepare`` made to ignore the draft pool (on both
+legs), the draft flips and the foreign draft rows verified and these tests failed ("the
+corruption was not detected"), while the target's flips before them were still refused; with
+the lanes not registering the draft's buffers for the transfer (digest unchanged), decode's
+draft rows stayed poison and the untouched transfers failed (digest mismatch, pages MIXED).
 
 It found a bug of the fork's own: NIXL sent the DSA indexer state of CPU pools with
 ``_send_kvcache_generic``'s default ``VRAM`` memory kind, which the DRAM registration of patch
@@ -65,7 +85,11 @@ passes the pool's memory kind to every state send, and the NIXL + DSA cases belo
 
 What it does not show: a GPU pool; the FP4/FP8 MLA variants, an MLA or DSA full pool inside
 the hybrid / SWA pools (``test/unit/test_kv_digest.py``, in-process), prefill and decode at
-different ``req_pool_idx`` (both legs use row 1; the Mamba slots do differ), a cached
+different ``req_pool_idx`` (both legs use row 1; the Mamba slots do differ), a draft pool
+whose geometry differs from the target's (other heads, a DSA draft, a hybrid-SWA MTP draft
+block; ``test/unit/test_kv_digest_draft.py`` has the grouped DSA draft in-process), a leg
+with a draft pool paired with one without (``test/unit/test_kv_digest_draft.py``: their
+signatures differ), a cached
 decode prefix (``decode_prefix_len`` is 0); a flip in transit or in prefill's pool; TP > 1;
 the servers' refusal path (``test/pd``).
 """
@@ -88,6 +112,7 @@ from pdsafe_testkit.kv.layouts import (
     SWA_WINDOW,
     RowCopy,
     address,
+    component_layers,
     swa_page,
     tail_positions,
     window_positions,
@@ -101,7 +126,8 @@ from pdsafe_testkit.kv.scheduler_glue import (
 )
 
 SEED = int(os.environ.get("PDSAFE_LAYOUTS_SEED", "0x1A7051"), 0)
-PAGE_SIZE = {"mla": 16, "dsa": 64, "dsa-kpool": 256, "hybrid": 32, "swa": 24}
+PAGE_SIZE = {"mla": 16, "dsa": 64, "dsa-kpool": 256, "hybrid": 32, "swa": 24,
+             "mha-draft": 8, "mla-draft": 40}
 KINDS = tuple(PAGE_SIZE)
 PAGES = 3
 NUM_PAGES = 16
@@ -125,8 +151,8 @@ _CASE_IDS = [f"{b}-{k}" for b, k in CASES]
 def layout_pairs(request: pytest.FixtureRequest) -> Iterator[dict[str, KVPair]]:
     """One launched (not yet ready) pair per backend this module's selected tests use, each
     with one lane per kind (``PAGE_SIZE``: MLA 16, DSA 64, grouped DSA 256, hybrid 32, SWA
-    24); all closed, children gone, at the end. No warm-up (each test's first transfer is
-    its own)."""
+    24, MHA + draft 8, MLA + draft 40); all closed, children gone, at the end. No warm-up
+    (each test's first transfer is its own)."""
     needed = {item.callspec.params["backend"] for item in request.session.items
               if item.module is request.module and hasattr(item, "callspec")
               and "backend" in item.callspec.params}
@@ -201,6 +227,10 @@ class Trials:
             slot = pos - max(window_positions(n, SWA_WINDOW).start, pos - pos % self.ps)
         return comp, layer, page, slot
 
+    def layer(self, comp: str) -> int:
+        """A random layer of ``comp`` (a draft component: of the draft pool's layers)."""
+        return self.rng.randrange(component_layers(comp, NUM_LAYERS))
+
     def slots(self, comp: str) -> int:
         """Slots a page (a tail row) of ``comp`` has."""
         space = SPACES[self.kind][comp]
@@ -258,15 +288,16 @@ def test_bit_flip_in_each_component_is_refused(lane: KVLane,
                                                kv_measure: Callable[[str], None]) -> None:
     """One bit flipped after the transfer in any region decode reads (``layouts.REGIONS``:
     MLA latent, rope; DSA indexer key, scale; the grouped index's entry, tail ring rows; the
-    hybrid's K, V, Mamba2 conv and temporal state; SWA's full and window K, V) of an owned
-    slot, entry, ring row or state slot is refused as a mismatch."""
+    hybrid's K, V, Mamba2 conv and temporal state; SWA's full and window K, V; the target's
+    and the draft pool's K, V or latent, rope) of an owned slot, entry, ring row or state
+    slot is refused as a mismatch."""
     t = Trials(lane, "flip")
     for comp, region, lo, hi in REGIONS[lane.pool_kind]:
         for last in (True, False):  # the partial last page's last owned slot, then random
             n, d_pages = t.tokens(wrap=last and SPACES[t.kind][comp] == "tail"), t.pages()
             pos = t.owned_pos(comp, n, last)
             page, slot = t.where(comp, d_pages, pos)
-            flip = BitFlip(layer=t.rng.randrange(NUM_LAYERS), kv=0, page=page, slot=slot,
+            flip = BitFlip(layer=t.layer(comp), kv=0, page=page, slot=slot,
                            byte=hi - 1 if last else t.rng.randrange(lo, hi),
                            bit=t.rng.randrange(8), component=comp)
             r, where = t.run(n, d_pages, [flip], f"{comp}.{region} flip (position {pos})")
@@ -301,7 +332,7 @@ def test_foreign_row_is_refused(lane: KVLane, kv_measure: Callable[[str], None])
             src = t.rng.randrange(n0)  # a donor position: its slot holds the donor's data
             src_page, src_slot = t.where(comp, pages0, src)
             what = "request row"
-        copy = RowCopy(comp, t.rng.randrange(NUM_LAYERS), src_page, src_slot, page, slot)
+        copy = RowCopy(comp, t.layer(comp), src_page, src_slot, page, slot)
         r, where = t.run(n, d_pages, [copy], f"foreign-{what} (position {pos})")
         _landed(r, t.target(comp, copy.layer, d_pages, n, pos), where)
         _refused(r, n, where)
@@ -350,7 +381,7 @@ def test_flip_outside_owned_slots_verifies(lane: KVLane,
             else:
                 page = t.rng.choice([p for p in range(1, NUM_PAGES + 1) if p not in d_pages])
                 slot = t.rng.randrange(t.slots(comp))
-            flip = BitFlip(layer=t.rng.randrange(NUM_LAYERS), kv=0, page=page, slot=slot,
+            flip = BitFlip(layer=t.layer(comp), kv=0, page=page, slot=slot,
                            byte=t.rng.randrange(lo, hi), bit=t.rng.randrange(8),
                            component=comp)
             r, where = t.run(n, d_pages, [flip], f"{comp}.{region} {outside} flip")

@@ -7,8 +7,9 @@ them for the same token indices as the target's; the fork digested the target po
 stale or foreign draft KV (which seeds speculation) went unchecked, with no log and no counter.
 Real upstream pools on the CPU: an MHA target with an MHA draft (EAGLE's shape) and an MLA
 target with an MLA draft (DeepSeek/GLM MTP's). What it does not show: a draft transfer over a
-real backend (the KV harness), and a speculative-decoding server end to end (no draft model
-runs on the CPU engine here).
+real backend (``test/kv/test_kv_digest_layouts.py`` does: the KV harness's ``mha-draft`` and
+``mla-draft`` lanes, over the real Mooncake and NIXL), and a speculative-decoding server end to
+end (no draft model runs on the CPU engine here).
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ array (a view of the real pool's memory) of one layer:
 * ``tail_k`` / ``tail_score`` (``dsa-kpool`` only, the compressed index): one layer's
   ``get_compress_tail_buffers(layer)`` as ``[requests, ring, width]``; the request's row
   (its ``req_pool_idx``) holds its last ``length % K`` positions at ring slot
-  ``t % ring`` (``Component.tail``; upstream's ``get_dsa_tail_state_indices``).
+  ``t % ring`` (``Component.tail``; upstream's ``get_dsa_tail_state_indices``);
+* ``draft_k`` / ``draft_v`` / ``draft_kv`` (``mha-draft`` / ``mla-draft`` only): the
+  speculative-decoding draft pool's rows of a slot, addressed like the target's (the draft
+  KV shares the target's token indices), for the draft's ``DRAFT_LAYERS`` layers.
 
 Every slot of a component is filled with a pattern derived from (magic, component, layer,
 owner, position) by ``pages``' 64-bit mix: DATA (owner = the bootstrap room, position = the
@@ -50,6 +53,7 @@ from pdsafe_testkit.kv.pages import (
 
 __all__ = [
     "COMPONENTS",
+    "DRAFT_LAYERS",
     "INDEX_HEAD_DIM",
     "INDEX_SCALE_BYTES",
     "KPOOL_GROUP",
@@ -65,6 +69,7 @@ __all__ = [
     "RowCopy",
     "SWA_WINDOW",
     "address",
+    "component_layers",
     "apply_corruption",
     "classify_components",
     "fill_data",
@@ -82,7 +87,12 @@ __all__ = [
 #: the real Mamba2 ``MambaPool`` of a ``HybridReqToTokenPool`` (layers 0 and 2).
 #: ``swa``: SWAKVPool (MHA full-attention layers 1 and 3, sliding-window layers 0 and 2,
 #: bf16 head 16; window ``SWA_WINDOW``) with upstream's SWATokenToKVPoolAllocator mapping.
-POOL_KINDS: tuple[str, ...] = ("mha", "mla", "dsa", "dsa-kpool", "hybrid", "swa")
+#: ``mha-draft``: an MHATokenToKVPool target (bf16 head 16) with a separate MHATokenToKVPool
+#: draft of ``DRAFT_LAYERS`` layers (EAGLE's draft worker); ``mla-draft``: an
+#: MLATokenToKVPool target with an MLATokenToKVPool draft of ``DRAFT_LAYERS`` layers
+#: (DeepSeek/GLM MTP). Both pools registered for the transfer, the draft's entries last.
+POOL_KINDS: tuple[str, ...] = ("mha", "mla", "dsa", "dsa-kpool", "hybrid", "swa",
+                               "mha-draft", "mla-draft")
 #: The components of each non-MHA kind, in the order a lane lists them per layer.
 COMPONENTS: dict[str, tuple[str, ...]] = {
     "mla": ("kv",),
@@ -90,7 +100,12 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "dsa-kpool": ("kv", "index_k", "index_scale", "tail_k", "tail_score"),
     "hybrid": ("k", "v", "conv0", "temporal"),
     "swa": ("k", "v", "swa_k", "swa_v"),
+    "mha-draft": ("k", "v", "draft_k", "draft_v"),
+    "mla-draft": ("kv", "draft_kv"),
 }
+#: The draft pool's layers (``mha-draft``, ``mla-draft``): fewer than the target's, as
+#: EAGLE's one-layer draft model and MTP's one NextN layer.
+DRAFT_LAYERS = 1
 #: ``dsa-kpool``: positions per index entry (``index_kpool``), extra tail-ring rows
 #: (``tail_extra_slots``), the ring (their sum) and the tail rows' width (128 bf16).
 KPOOL_GROUP = 4
@@ -125,6 +140,11 @@ REGIONS["hybrid"] = (("k", "row", 0, HYBRID_HEAD_BYTES), ("v", "row", 0, HYBRID_
 REGIONS["swa"] = (("k", "row", 0, HYBRID_HEAD_BYTES), ("v", "row", 0, HYBRID_HEAD_BYTES),
                   ("swa_k", "row", 0, HYBRID_HEAD_BYTES),
                   ("swa_v", "row", 0, HYBRID_HEAD_BYTES))
+#: The draft kinds: the target's regions, then the draft's (same geometry, own bytes).
+REGIONS["mha-draft"] = REGIONS["swa"][:2] + (("draft_k", "row", 0, HYBRID_HEAD_BYTES),
+                                            ("draft_v", "row", 0, HYBRID_HEAD_BYTES))
+REGIONS["mla-draft"] = REGIONS["mla"] + tuple(("draft_kv", region, lo, hi)
+                                              for _, region, lo, hi in REGIONS["mla"])
 #: ``swa``: the sliding window (positions ``[length - SWA_WINDOW, length)`` are owned in
 #: the SWA sub-pool).
 SWA_WINDOW = 30
@@ -140,9 +160,12 @@ SPACES: dict[str, dict[str, str]] = {
                   "tail_k": "tail", "tail_score": "tail"},
     "hybrid": {"k": "token", "v": "token", "conv0": "state", "temporal": "state"},
     "swa": {"k": "token", "v": "token", "swa_k": "swa", "swa_v": "swa"},
+    "mha-draft": {"k": "token", "v": "token", "draft_k": "token", "draft_v": "token"},
+    "mla-draft": {"kv": "token", "draft_kv": "token"},
 }
 _COMPONENT_IDS = {"kv": 0, "index_k": 1, "index_scale": 2, "tail_k": 3, "tail_score": 4,
-                  "k": 5, "v": 6, "conv0": 7, "temporal": 8, "swa_k": 9, "swa_v": 10}
+                  "k": 5, "v": 6, "conv0": 7, "temporal": 8, "swa_k": 9, "swa_v": 10,
+                  "draft_k": 11, "draft_v": 12, "draft_kv": 13}
 _U64 = np.uint64
 
 
@@ -228,6 +251,12 @@ def address(kind: str, comp: str, pages: Sequence[int], page_size: int, pos: int
         return tail_row, pos % KPOOL_RING
     group = KPOOL_GROUP if space == "entry" else 1
     return int(pages[pos // page_size]), (pos % page_size) // group
+
+
+def component_layers(comp: str, num_layers: int) -> int:
+    """The layers a lane has of component ``comp``: the draft pool's ``DRAFT_LAYERS`` for a
+    draft component, else the target's ``num_layers``."""
+    return DRAFT_LAYERS if comp.startswith("draft_") else num_layers
 
 
 def fill_pattern(comps: Sequence[Component], pages: Sequence[int], page_size: int,

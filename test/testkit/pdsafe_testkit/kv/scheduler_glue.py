@@ -5,7 +5,9 @@ size: a published ``ServerArgs`` (``--device cpu``, transfer backend X), the bac
 manager (``get_kv_class(TransferBackend.X, KVClassType.MANAGER)``) over sglang's real
 ``MHATokenToKVPool`` on the CPU (or, by ``pool_kind``, its real MLA, DSA, grouped DSA,
 hybrid-linear + Mamba2 or SWA pool: ``layouts.POOL_KINDS``, with their state components
-registered by ``setup_state_kv_args`` and sent with upstream's own payloads),
+registered by ``setup_state_kv_args`` and sent with upstream's own payloads; or an MHA / MLA
+target pool with a separate speculative-decoding draft pool registered after it, as the PD
+queues register ``draft_token_to_kv_pool``),
 sglang's real ``MetadataBuffers`` as the aux buffers and, on
 prefill, the backend's real bootstrap server. Transfers use the real sender and receiver
 classes, driven the way ``disaggregation/prefill.py`` and ``decode.py`` drive them (``init`` /
@@ -179,6 +181,9 @@ class Lane:
         rows = (cfg.num_pages + 1) * page_size
         #: Non-MHA kinds: the pool's bytes per (component, layer) (``layouts``); MHA: none.
         self.components: list[Component] = []
+        #: The speculative-decoding draft pool the transfer carries next to ``pool`` (the
+        #: queues' ``draft_token_to_kv_pool``): draft kinds only, else None.
+        self.draft_pool: Any = None
         if pool_kind == "mha":
             # The KV pool: sglang's real MHATokenToKVPool on the CPU (NHD, one KV head of
             # ``token_words * 4`` bf16 = ``token_words`` 64-bit words per token row),
@@ -217,6 +222,16 @@ class Lane:
             self.layer_kv, self.buffers = [], []
             self.pool, self.components = self._layout_pool(cfg, page_size)
             kv_ptrs, kv_lens, kv_item_lens = get_kv_transfer_buf_infos(self.pool)
+        # The draft pool's buffers appended after the target's, as both PD queues do
+        # (prefill.py ``_init_kv_manager``, decode.py ``_init_kv_manager``: the draft's
+        # ``get_contiguous_buf_infos()``, counted in ``num_draft_entries``).
+        num_draft_entries = 0
+        if self.draft_pool is not None:
+            draft_ptrs, draft_lens, draft_item_lens = self.draft_pool.get_contiguous_buf_infos()
+            kv_ptrs = kv_ptrs + draft_ptrs
+            kv_lens = kv_lens + draft_lens
+            kv_item_lens = kv_item_lens + draft_item_lens
+            num_draft_entries = len(draft_ptrs)
         # One request row (index 1; row 0 is the padding row): position -> KV slot of the
         # request being digested (the harness runs one transfer at a time per lane). A
         # hybrid lane's is the HybridReqToTokenPool that owns its Mamba pool (built with it).
@@ -227,7 +242,9 @@ class Lane:
         # The KV digest (issue 10) as the patched PD queues set it up: on by default in PD
         # mode (SGLANG_PDSAFE_KV_DIGEST=0 turns it off); the row carrier is the last aux
         # buffer, allocated whenever the digest is on (``kv_integrity.carrier_enabled``).
-        self.kv_checksum_computer = kv_integrity.leg_digester(self.pool, self.server_args)
+        # Draft kinds: the draft pool too, as the queues pass ``draft_token_to_kv_pool``.
+        self.kv_checksum_computer = kv_integrity.leg_digester(self.pool, self.server_args,
+                                                              self.draft_pool)
         self.metadata = MetadataBuffers(
             cfg.aux_slots,
             hidden_size=16,
@@ -250,10 +267,12 @@ class Lane:
         kv_args.kv_data_ptrs = kv_ptrs
         kv_args.kv_data_lens = kv_lens
         kv_args.kv_item_lens = kv_item_lens
-        kv_args.num_draft_entries = 0
-        # Positional pairing, as build_kv_layer_ids gives for MHA (and for MLA/DSA: asked).
+        kv_args.num_draft_entries = num_draft_entries
+        # Positional pairing, as build_kv_layer_ids gives for MHA (and for MLA/DSA: asked;
+        # with the draft pool and its entries as the queues pass them).
         kv_args.kv_layer_ids = [] if pool_kind == "mha" else build_kv_layer_ids(
-            token_to_kv_pool=self.pool, draft_token_to_kv_pool=None, num_draft_entries=0,
+            token_to_kv_pool=self.pool, draft_token_to_kv_pool=self.draft_pool,
+            num_draft_entries=num_draft_entries,
             num_hidden_layers=(HYBRID_LAYERS if pool_kind in ("hybrid", "swa")
                                else cfg.num_layers))
         if self.backend == TransferBackend.NIXL:
@@ -284,7 +303,7 @@ class Lane:
         else:
             # Upstream's own registration of the pool's state components (DSA: the indexer
             # buffers as StateType.DSA, paged like the KV), as both PD queues call it.
-            setup_state_kv_args(kv_args, self.pool, None, cfg.num_layers,
+            setup_state_kv_args(kv_args, self.pool, self.draft_pool, cfg.num_layers,
                                 req_to_token_pool=self.req_to_token_pool)
         self.kv_args = kv_args
 
@@ -332,6 +351,8 @@ class Lane:
             return self._hybrid_pool(cfg, page_size)
         if self.pool_kind == "swa":
             return self._swa_pool(cfg, page_size)
+        if self.pool_kind in ("mha-draft", "mla-draft"):
+            return self._draft_pools(cfg, page_size, common)
         group = layouts.KPOOL_GROUP if self.pool_kind == "dsa-kpool" else 1
         if self.pool_kind == "mla":
             pool: Any = MLATokenToKVPool(**common)
@@ -446,6 +467,41 @@ class Lane:
                     u8 = b.view(torch.uint8)
                     comps.append(Component(prefix + name, layer, u8.numpy().reshape(
                         u8.shape[0] // page_size, page_size, -1), window=window))
+        self._check_views(comps)
+        return pool, comps
+
+    def _draft_pools(self, cfg: ChildConfig, page_size: int,
+                     mla: dict[str, Any]) -> tuple[Any, list[Component]]:
+        """A real target pool and a real, separate draft pool of the same class on the CPU
+        (``draft_pool``), as a speculative-decoding server builds them: the target with
+        ``cfg.num_layers`` layers, the draft with ``layouts.DRAFT_LAYERS`` (EAGLE's draft
+        worker, MTP's NextN layer: its own pool, same size and page size, layers from 0).
+        ``mha-draft``: ``MHATokenToKVPool`` (1 head of 16 bf16); ``mla-draft``:
+        ``MLATokenToKVPool`` (``mla``: latent 32 + rope 16 bf16). Components: the target's
+        ``k`` / ``v`` (``kv``), then the draft's ``draft_k`` / ``draft_v`` (``draft_kv``),
+        each layer's buffer as ``[pages, page_size, bytes]``."""
+        import torch
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+        def build(layers: int) -> Any:
+            if self.pool_kind == "mla-draft":
+                return MLATokenToKVPool(**{**mla, "layer_num": layers})
+            return MHATokenToKVPool(
+                size=cfg.num_pages * page_size, page_size=page_size, dtype=torch.bfloat16,
+                head_num=1, head_dim=layouts.HYBRID_HEAD_BYTES // 2, layer_num=layers,
+                device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+
+        pool = build(cfg.num_layers)
+        self.draft_pool = build(layouts.DRAFT_LAYERS)
+        comps: list[Component] = []
+        for prefix, p in (("", pool), ("draft_", self.draft_pool)):
+            named = ((("kv", p.kv_buffer),) if self.pool_kind == "mla-draft"
+                     else (("k", p.k_buffer), ("v", p.v_buffer)))
+            for name, bufs in named:
+                for layer, b in enumerate(bufs):
+                    u8 = b.view(torch.uint8)
+                    comps.append(Component(prefix + name, layer, u8.numpy().reshape(
+                        u8.shape[0] // page_size, page_size, -1)))
         self._check_views(comps)
         return pool, comps
 
