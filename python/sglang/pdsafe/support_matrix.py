@@ -94,10 +94,9 @@ def pool_classes(backend: str) -> list[str]:
 
 
 def _digest_cell(backend: str) -> Cell:
-    covered = [k for k in pool_classes(backend) if kv_layouts.CLASSES[k] in kv_layouts.LAYOUTS]
-    if not covered:
-        reasons = sorted({kv_layouts.CLASSES[k].removeprefix("refused: ")
-                          for k in pool_classes(backend)})
+    classes = pool_classes(backend)
+    if not any(kv_layouts.CLASSES[k] in kv_layouts.LAYOUTS for k in classes):
+        reasons = sorted({kv_layouts.CLASSES[k].removeprefix("refused: ") for k in classes})
         return Cell(REFUSED, "every pool class it builds is refused: the server does not "
                              f"start while the digest is on ({kv_integrity.ENV_ENABLE}=0 on "
                              "both legs serves it without); " + "; ".join(reasons))
@@ -131,18 +130,15 @@ MEANS: dict[str, str] = {
 
 
 def layout_cells(layout: str) -> dict[str, Cell]:
-    """Backend -> digest cell for ``layout`` (a :data:`kv_layouts.LAYOUTS` value, or None-like
-    ``"refused"`` for the refused classes)."""
+    """Backend -> digest cell for ``layout`` (a :data:`kv_layouts.LAYOUTS` value)."""
     out = {}
     for backend in BACKENDS:
-        refusal = _startup_refusal(backend)
-        classes = [k for k in pool_classes(backend) if kv_layouts.CLASSES[k] == layout]
-        if refusal is not None:
+        if _startup_refusal(backend) is not None:
             out[backend] = Cell(REFUSED, "the server does not start (above)")
-        elif not classes:
-            out[backend] = Cell(NA, "no pool class of this layout on its hardware")
-        else:
+        elif any(kv_layouts.CLASSES[k] == layout for k in pool_classes(backend)):
             out[backend] = Cell(COVERED)
+        else:
+            out[backend] = Cell(NA, "no pool class of this layout on its hardware")
     return out
 
 
@@ -158,13 +154,13 @@ def render() -> str:
     notes = []
     for b in BACKENDS:
         refusal = _startup_refusal(b)
-        if refusal is not None:
+        if refusal is not None:  # every cell the same refusal: once, as a note
             notes.append(f"* **{b}**: {refusal.why}.")
-            lines.append(f"| {b} | " + " | ".join(["refused (the server does not start, "
-                                                    "below)"] * len(PROTECTIONS)) + " |")
-            continue
-        cells = backend_cells(b)
-        lines.append(f"| {b} | " + " | ".join(cells[p].text() for p in PROTECTIONS) + " |")
+            texts = ["refused (the server does not start, below)"] * len(PROTECTIONS)
+        else:
+            cells = backend_cells(b)
+            texts = [cells[p].text() for p in PROTECTIONS]
+        lines.append(f"| {b} | " + " | ".join(texts) + " |")
     lines += ["", *notes, *(f"* *{p}* covered: {MEANS[p]}." for p in PROTECTIONS), "",
               "The digest by layout (coverage, generation and quarantine do not depend on "
               "the layout):", "",

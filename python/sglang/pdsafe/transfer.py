@@ -460,11 +460,10 @@ def fail_room(kv_mgr: Any, room: Any, refusal: Refusal) -> bool:
         rec.refuse(refusal)
     kv_mgr.record_failure(room, refusal.reason)
     status = kv_mgr.pdsafe_room_status(room)
-    prefill = _side_of(kv_mgr) == "prefill"
-    if status is None or status != KVPoll.Success:
+    if status != KVPoll.Success:  # None too: a prefill remembers a room it has no state for
         if status is not None:
             kv_mgr.update_status(room, KVPoll.Failed)
-        if prefill:
+        if _side_of(kv_mgr) == "prefill":
             # peer_release imports this module: the import cannot be at module level.
             from sglang.pdsafe import peer_release
 

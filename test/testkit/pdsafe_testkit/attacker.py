@@ -81,15 +81,23 @@ class Attacker:
 
     @staticmethod
     def signed_with_own_key(frames: list[list[bytes]], key: str) -> list[list[bytes]]:
-        """``frames`` with a MAC under ``key`` (not the cluster's)."""
-        from sglang.pdsafe import control_mac
-
-        (k,) = control_mac._mac_keys((key,))
-        return [control_mac.seal(k, control_mac.D2P, f) for f in frames]
+        """``frames`` with a decode-to-prefill MAC under ``key`` (not the cluster's)."""
+        return signed_with(frames, key, to_prefill=True)
 
     def send(self, messages: list[list[bytes]]) -> None:
         """Push ``messages`` to the prefill rank's bootstrap socket."""
         push(self.rank_addr, messages)
+
+
+def signed_with(messages: list[list[bytes]], key: str, *, to_prefill: bool
+                ) -> list[list[bytes]]:
+    """``messages`` with a MAC under ``key`` for the given direction (the attacker's own key:
+    the cluster's is what it does not hold)."""
+    from sglang.pdsafe import control_mac
+
+    (k,) = control_mac._mac_keys((key,))
+    direction = control_mac.D2P if to_prefill else control_mac.P2D
+    return [control_mac.seal(k, direction, m) for m in messages]
 
 
 def push(addr: str, messages: list[list[bytes]]) -> None:
@@ -197,10 +205,7 @@ class DecodeAttacker:
     @staticmethod
     def signed_with_own_key(messages: list[list[bytes]], key: str) -> list[list[bytes]]:
         """``messages`` with a prefill-to-decode MAC under ``key`` (not the cluster's)."""
-        from sglang.pdsafe import control_mac
-
-        (k,) = control_mac._mac_keys((key,))
-        return [control_mac.seal(k, control_mac.P2D, m) for m in messages]
+        return signed_with(messages, key, to_prefill=False)
 
     def send(self, messages: list[list[bytes]]) -> None:
         """Push ``messages`` to every port the scan found."""
