@@ -206,8 +206,9 @@ def test_an_abort_naming_a_generation_the_prefill_never_saw_is_served(monkeypatc
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_late_and_foreign_abort_acks_release_nothing_and_are_counted(monkeypatch, backend):
     """Decode armed g2 for room R. An ACK of the earlier reservation's g1, an ACK for a room
-    with nothing armed, and (after the release) a duplicate of g2's ACK: none is recorded,
-    each is counted. Only g2's own ACK makes the release safe."""
+    with nothing armed, a generation-less ACK (an older peer's format) and (after the release)
+    a duplicate of g2's ACK: none is recorded, each is counted. Only g2's own ACK makes the
+    release safe."""
     from sglang.srt.disaggregation.common.conn import AbortAck
 
     room = tgt._room()
@@ -218,15 +219,16 @@ def test_late_and_foreign_abort_acks_release_nothing_and_are_counted(monkeypatch
     g1 = random.randrange(1, 1 << 62)
     before = _counts()
     tgt._deliver(monkeypatch, rank.kv, [AbortAck(room, tgt.PREFILL_RANK, g1).to_zmq(),
-                                        AbortAck(other_room, tgt.PREFILL_RANK, g2).to_zmq()])
+                                        AbortAck(other_room, tgt.PREFILL_RANK, g2).to_zmq(),
+                                        AbortAck(room, tgt.PREFILL_RANK).to_zmq()])
     assert not rank.kv.is_abort_release_safe(room, 1)
-    assert _delta(before) == {tg.STALE_ABORT_ACK: 2}
+    assert _delta(before) == {tg.STALE_ABORT_ACK: 3}
     own = AbortAck(room, tgt.PREFILL_RANK, g2).to_zmq()
     tgt._deliver(monkeypatch, rank.kv, [own])
     assert rank.kv.is_abort_release_safe(room, 1)
     rank.kv.clear_deferred_abort_state(room)
     tgt._deliver(monkeypatch, rank.kv, [own])  # late duplicate after the release
-    assert _delta(before) == {tg.STALE_ABORT_ACK: 3}
+    assert _delta(before) == {tg.STALE_ABORT_ACK: 4}
 
 
 def test_pure_stale_abort_rule():

@@ -203,9 +203,9 @@ COUNTERS: dict[str, str] = {
         "the metadata of their decode endpoint for the room (an earlier reservation's ABORT, "
         "replayed or forged: it would have failed the room's live transfer).",
     "stale_abort_ack_dropped_total":
-        "ABORT_ACK messages a decode ignored: no deferred release of the room is armed, or it "
-        "is armed for another generation (late, duplicated, replayed or forged); none of them "
-        "released a page.",
+        "ABORT_ACK messages a decode ignored: no deferred release of the room is armed, it "
+        "is armed for another generation (late, duplicated, replayed or forged), or the ACK "
+        "names no generation (an older peer's format); none of them released a page.",
     "transfer_generation_split_total":
         "Prefill rooms whose decode ranks sent different transfer generations (their "
         "reservations left lockstep); the digest row is zeroed and decode refuses the transfer.",

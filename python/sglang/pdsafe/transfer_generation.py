@@ -60,9 +60,9 @@ dropped and counted by type (``stale_kv_status_dropped_total``,
   reservation's own metadata slot;
 * a room whose metadata went without a generation (its prefill is a waived stock peer):
   upstream's handling;
-* an ABORT_ACK that upstream's ``note_abort_ack`` ignores (no release of the room armed, or
-  one of another generation): counted (``stale_abort_ack_dropped_total``); it never released
-  a page.
+* an ABORT_ACK that upstream ignores (no release of the room armed, one of another
+  generation, or no generation named): counted (``stale_abort_ack_dropped_total``); it never
+  released a page.
 
 And prefill drops and counts (``stale_abort_dropped_total``) an ABORT naming a generation that
 an earlier metadata of the same decode endpoint carried for the room and a later one replaced
@@ -886,11 +886,17 @@ def drops_stale_abort(kv_mgr: Any, notification: Any) -> bool:
 @hook("transfer_generation.stale_abort_ack", outcome=Outcome.HOLD, counter=FAILED,
       on_failure=returns(None), key=lambda kv_mgr, room, *a: ("room", room),
       effect="the ignored ACK is not counted; it released nothing either way")
-def stale_abort_ack(kv_mgr: Any, room: int, prefill_rank: int, generation: int) -> None:
-    """Decode, ``note_abort_ack`` ignored an ABORT_ACK: no deferred release of the room is
-    armed (a late or duplicated ACK after the release, or a forged one) or it is armed for
-    another generation (an earlier reservation's ACK). Upstream already ignores it (no page
-    is released by it); count and log it."""
-    _drop(STALE_ABORT_ACK, "ABORT_ACK", room,
-          f"prefill rank {prefill_rank} acknowledged generation {generation}, which holds "
-          "no deferred release of the room on this decode")
+def stale_abort_ack(kv_mgr: Any, room: int, prefill_rank: int,
+                    generation: int | None) -> None:
+    """Decode, upstream ignored an ABORT_ACK: no deferred release of the room is armed (a late
+    or duplicated ACK after the release, or a forged one), it is armed for another generation
+    (an earlier reservation's ACK), or the ACK names no generation at all (``None``: an older
+    peer's format, which upstream drops with a one-time warning). Upstream already ignores it
+    (no page is released by it); count and log it."""
+    if generation is None:
+        why = (f"prefill rank {prefill_rank} acknowledged no generation (an older peer's "
+               "format), so it cannot release a deferred hold of the room")
+    else:
+        why = (f"prefill rank {prefill_rank} acknowledged generation {generation}, which holds "
+               "no deferred release of the room on this decode")
+    _drop(STALE_ABORT_ACK, "ABORT_ACK", room, why)
