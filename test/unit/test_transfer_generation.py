@@ -739,7 +739,7 @@ def test_a_failed_notice_before_the_metadata_went_out_is_dropped(monkeypatch, ba
     counted; upstream would take it as the new request's terminal state (the decode-side
     attacker's denial, test/pd/test_control_mac.py). A room whose receiver sent a deferred
     BOOTSTRAP (``prefill_complete`` allocation) takes its prefill's notices before any
-    metadata: upstream's, as before."""
+    metadata: upstream's, as before; only while that reservation lives."""
     rank = _Rank(monkeypatch, backend)
     room, deferred = cap._rooms(2)
     receiver = rank.receiver(room)
@@ -756,6 +756,15 @@ def test_a_failed_notice_before_the_metadata_went_out_is_dropped(monkeypatch, ba
                                                      reason_frame=True)])
     assert other.poll() == KVPoll.Failed
     assert _delta(before) == {tg.STALE_STATUS: 2}
+
+    # The BOOTSTRAP belonged to that reservation: once it is cleared, the next receiver of the
+    # same room number has told no prefill anything yet, and a Failed for it is dropped again.
+    other.clear()
+    again = rank.receiver(deferred)
+    _deliver(monkeypatch, rank.kv, [_upstream_status(backend, deferred, KVPoll.Failed,
+                                                     "forged", reason_frame=True)])
+    assert again.poll() == KVPoll.Bootstrapping, "a cleared reservation's BOOTSTRAP still counted"
+    assert _delta(before) == {tg.STALE_STATUS: 3}
 
 
 def test_mooncake_late_aux_before_the_new_reservation_is_minted_writes_nothing(monkeypatch):

@@ -135,6 +135,9 @@ class Transfer:
     duplicates_refused: int = 0
     keeps_room: bool = False
     metadata_out: bool = False  # decode: the reservation's metadata went to its prefill
+    #: decode: the receiver sent its prefill a deferred BOOTSTRAP (``prefill_complete``
+    #: allocation): that prefill may address the room's notices before any metadata
+    bootstrap_out: bool = False
     rejection: Any = None  # placeholder_guard.Rejection: refused at intake, typed
     # -- how it ended
     refusal: Refusal | None = None

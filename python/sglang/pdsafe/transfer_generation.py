@@ -314,9 +314,6 @@ class _DecodeTable:
     def __init__(self) -> None:
         self.counter = itertools.count(1)
         self.last_sent: OrderedDict[int, int] = OrderedDict()
-        #: Rooms this decode sent a deferred BOOTSTRAP for (``prefill_complete`` allocation):
-        #: their prefill may address readiness and Failed notices to them before any metadata.
-        self.bootstrap_sent: OrderedDict[int, None] = OrderedDict()
 
 
 def _decode_table(kv_mgr: Any) -> _DecodeTable:
@@ -443,23 +440,26 @@ def note_bootstrap_sent(kv_mgr: Any, room: Any) -> None:
     """Decode, as its receiver sends the room's deferred BOOTSTRAP (upstream's
     ``prefill_complete`` allocation policy, the only one that sends it): from here on the
     room's prefill knows this decode's endpoint and may address readiness or Failed notices to
-    the room before any metadata went out (:func:`drops_stale_message`). Bounded
-    (:data:`MAX_ROOMS`, oldest dropped: a dropped room's notices are upstream's again)."""
+    the room before any metadata went out (:func:`drops_stale_message`). Kept in the room's
+    live record (``Transfer.bootstrap_out``; a receiver built without the scheduler's door
+    gets one, as :func:`mint` does), so it ends with that reservation: a later reservation of
+    the same room number has to send its own."""
     if room is None:
         return
-    table = _decode_table(kv_mgr)
     lg = transfer.leg(kv_mgr)
+    room = int(room)
+    rec = lg.of_room(room)
+    if rec is None or not rec.is_open:
+        rec = lg.open(room, f"room-{room}")
     with lg.lock:
-        table.bootstrap_sent[int(room)] = None
-        table.bootstrap_sent.move_to_end(int(room))
-        while len(table.bootstrap_sent) > MAX_ROOMS:
-            table.bootstrap_sent.popitem(last=False)
+        rec.bootstrap_out = True
 
 
 def _bootstrap_sent(kv_mgr: Any, room: int) -> bool:
-    lg = transfer.leg(kv_mgr)
-    with lg.lock:
-        return int(room) in _decode_table(kv_mgr).bootstrap_sent
+    """Whether the room's live reservation on this decode sent its prefill a deferred
+    BOOTSTRAP (:func:`note_bootstrap_sent`)."""
+    rec = transfer.leg(kv_mgr).of_room(int(room))
+    return rec is not None and rec.bootstrap_out
 
 
 def live_reservation(kv_mgr: Any, room: int) -> Live | None:
