@@ -15,6 +15,7 @@ from pdsafe_testkit.oracle import Verdict, random_prompt
 from pdsafe_testkit.servers import (
     SHARED_DECODE_POOL,
     ServerConfig,
+    decode_idle,
     direct_pd_generate,
     generate,
     pd_stack,
@@ -92,6 +93,40 @@ def test_larger_pages_match_reference(backend, page_size, oracle, model_path, lo
             results = list(ex.map(lambda p: direct_pd_generate(stack, p, MAX_NEW)[1], prompts))
         for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
             oracle.assert_identical(r, p, MAX_NEW, what=f"{backend} page {page_size} req {i}")
+
+
+def test_prefill_complete_allocation_matches_reference(oracle, model_path, log_dir):
+    """Upstream's ``prefill_complete`` decode allocation (Mooncake only): the decode reserves
+    no pages until its prefill finished, and tells the prefill its endpoint first with a
+    deferred BOOTSTRAP, so notices may reach the decode before any metadata (the one path on
+    which :func:`sglang.pdsafe.transfer_generation.drops_stale_message` lets a generation-less
+    notice through, for that reservation only). Under page reuse (the pool holds a third of
+    the traffic) every answer equals the co-located server's, and the decode holds nothing
+    afterwards."""
+    import requests
+
+    pool = 1024
+    policy = ["--disaggregation-decode-allocation-policy", "prefill_complete"]
+    with pd_stack(
+        "mooncake", log_dir, with_router=False,
+        prefill=ServerConfig(role="prefill", model_path=model_path, max_total_tokens=pool,
+                             context_length=pool, extra_args=list(policy)),
+        decode=ServerConfig(role="decode", model_path=model_path, max_total_tokens=pool,
+                            context_length=pool, extra_args=list(policy)),
+    ) as stack:
+        for leg in (stack.prefill, stack.decode):
+            info = requests.get(leg.url + "/server_info", timeout=10).json()
+            assert info.get("disaggregation_decode_allocation_policy") == "prefill_complete", (
+                f"{leg.config.role} does not run the policy under test")
+        rng = random.Random(2024)
+        prompts = [random_prompt(rng, rng.randint(17, 200), model_path) for _ in range(20)]
+        assert sum(len(p) + MAX_NEW for p in prompts) > 2 * pool
+        with ThreadPoolExecutor(4) as ex:
+            results = list(ex.map(lambda p: direct_pd_generate(stack, p, MAX_NEW)[1], prompts))
+        for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
+            oracle.assert_identical(r, p, MAX_NEW, what=f"prefill_complete request {i}")
+        held = decode_idle(stack.decode, 10)
+        assert not any(held.values()), f"the decode still holds {held}"
 
 
 def test_startup_report_and_hook_self_check_ran(pd):

@@ -692,9 +692,14 @@ def direct_pd_generate(stack: PDStack, input_ids: Sequence[int], max_new_tokens:
     boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": stack.prefill.bootstrap_port,
             "bootstrap_room": room}
     out: dict[str, GenResult] = {}
+    raised: dict[str, BaseException] = {}
 
     def go(key: str, url: str) -> None:
-        out[key] = generate(url, input_ids, max_new_tokens, timeout=timeout, **boot, **extra)
+        try:
+            out[key] = generate(url, input_ids, max_new_tokens, timeout=timeout, **boot,
+                                **extra)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, naming the leg
+            raised[key] = e
 
     ts = [threading.Thread(target=go, args=(k, u))
           for k, u in (("p", stack.prefill.url), ("d", stack.decode.url))]
@@ -702,6 +707,10 @@ def direct_pd_generate(stack: PDStack, input_ids: Sequence[int], max_new_tokens:
         t.start()
     for t in ts:
         t.join()
+    for key, leg in (("p", "prefill"), ("d", "decode")):
+        if key in raised:
+            raise RuntimeError(f"the {leg} leg of room {room} got no answer: "
+                               f"{raised[key]!r}") from raised[key]
     return out["p"], out["d"]
 
 
