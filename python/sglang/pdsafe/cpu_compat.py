@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +129,74 @@ def _tolerate_absent_sgl_kernel() -> None:
     logger.info("sgl-kernel not installed: module-level imports tolerated (CPU-only torch)")
 
 
+#: Upstream's module that picks how a DeepSeek-family (MLA) attention layer runs, per backend.
+MLA_DISPATCH_MODULE = "sglang.srt.models.deepseek_common.attention_backend_handler"
+
+
+def torch_native_mla_method(attn: object, forward_batch: object) -> object:
+    """DeepSeek-family attention on the ``torch_native`` backend: always the absorbed MLA path.
+
+    Upstream registers no handler for ``torch_native``, so it gets the ``triton`` one, which
+    runs a fresh prefill on the MHA path: its ``qk_nope + qk_rope``-wide keys then meet
+    ``torch_native``'s read of the latent rows of ``MLATokenToKVPool``
+    (``kv_lora_rank + qk_rope`` wide) and the first prefill fails. The absorbed path reads and
+    writes exactly the pool's latent rows, in prefill and decode alike (what the ``triton``
+    handler itself does under deterministic inference, and what the CPU engine's own
+    ``intel_amx`` backend does with sgl-kernel's CPU operators)."""
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod,
+    )
+
+    return AttnForwardMethod.MLA
+
+
+def register_torch_native_mla(module: object) -> bool:
+    """Register :func:`torch_native_mla_method` for ``torch_native`` in ``module``'s
+    ``AttentionBackendRegistry`` (upstream's public ``register``), unless upstream has a
+    handler of its own for it (then upstream's stays). True when registered."""
+    registry = module.AttentionBackendRegistry  # type: ignore[attr-defined]
+    if registry.get_handler("torch_native") is not registry.get_handler("triton"):
+        return False
+    registry.register("torch_native", torch_native_mla_method)
+    return True
+
+
+def _run_after_import(fullname: str, then: Callable[[Any], object]) -> None:
+    """Call ``then(module)`` once ``fullname`` has executed (at once if it already has)."""
+    import importlib.abc
+    import importlib.machinery
+    import sys
+
+    if fullname in sys.modules:
+        then(sys.modules[fullname])
+        return
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN202
+            if name != fullname:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is None or spec.loader is None:
+                return None
+            loader_exec = spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                loader_exec(module)
+                then(module)
+
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, _Finder())
+
+
+def _absorbed_mla_on_torch_native() -> None:
+    """Let DeepSeek-family (MLA) models serve on the CPU engine's ``torch_native`` fallback
+    (:func:`torch_native_mla_method`), registered when upstream's dispatch module loads."""
+    _run_after_import(MLA_DISPATCH_MODULE, register_torch_native_mla)
+
+
 def _install_all() -> None:
     _define_torchvision_op_schemas()
     _tolerate_absent_sgl_kernel()
+    _absorbed_mla_on_torch_native()
