@@ -92,3 +92,19 @@ def tiny_mla_model(out: Path, base: Path = DEFAULT_MODEL) -> Path:
         if (base / name).is_file():
             shutil.copy(base / name, out / name)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pdsafe_testkit.models OUT``: write the tiny MLA model into OUT (for
+    ``PDSAFE_MODEL=OUT``: the benchmark and the harness then serve it)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m pdsafe_testkit.models", description=main.__doc__)
+    ap.add_argument("out", type=Path, help="directory to write the model into")
+    a = ap.parse_args(argv)
+    print(tiny_mla_model(a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
