@@ -257,3 +257,33 @@ def test_pure_stale_abort_rule():
     assert not tg.abort_message_is_stale(m, abort(11)[:4])  # no generation: upstream's
     tg.note_metadata(m, room, meta(None))  # a stock decode's metadata now
     assert tg.abort_message_is_stale(m, abort(12))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_abort_goes_out_from_a_receiver_built_without_its_constructor(monkeypatch, backend):
+    """Upstream's own unit tests build receivers with ``__new__`` (no ``bootstrap_addr``) and
+    check that ``_send_abort_notification`` sends the ABORT after arming the ACK tracker. Patch
+    0030 once sealed the ABORT inside upstream's best-effort per-rank ``try``: the missing
+    attribute was swallowed there like a socket error and no ABORT went out (nine upstream tests
+    of ``test_deferred_decode_kv_release.py`` passed on stock and failed on the fork,
+    ``docs/upstream-unit-tests.md``). The ABORT is sealed once, before the sends: it goes out,
+    with the reservation's generation, after the tracker was armed."""
+    import threading
+    from types import SimpleNamespace
+
+    rank = _deferred(tgt._Rank(monkeypatch, backend))
+    recv = tgt._receiver_cls(backend).__new__(tgt._receiver_cls(backend))
+    recv.kv_mgr = rank.kv
+    recv.bootstrap_room = room = tgt._room()
+    recv.init_time = 123.0  # metadata went out: the tracker is armed before the ABORT
+    recv.abort_notified = False
+    recv._abort_generation = None
+    recv.bootstrap_infos = [{"rank_ip": tgt.HOST, "rank_port": tgt.PREFILL_PORT}]
+    sent: list[tuple[bool, list[bytes]]] = []
+    sock = SimpleNamespace(send_multipart=lambda parts: sent.append(
+        (room in rank.kv._deferred_abort_ack_tracker, list(parts))))
+    recv._connect_to_bootstrap_server = lambda info: (sock, threading.Lock())
+    recv._send_abort_notification()
+    assert len(sent) == 1, "no ABORT went out"
+    armed, parts = sent[0]
+    assert armed and parts[0] == b"ABORT" and parts[1] == str(room).encode()
