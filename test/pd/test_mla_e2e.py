@@ -11,8 +11,9 @@ It shows, for that layout:
 
 * the answers depend on the KV: one changed early token changes the reference's greedy answer
   (so an identical answer below is evidence, not an accident of a model that ignores context);
-* PD traffic under page reuse returns the reference's tokens exactly, and the decode's KV digest
-  verified every transfer of the latent pool, refusing none;
+* PD traffic under page reuse (page size 1 on Mooncake, 16 on NIXL: partial last pages of latent
+  rows) returns the reference's tokens exactly, and the decode's KV digest verified every
+  transfer of the latent pool, refusing none;
 * one flipped bit of a transferred latent row, and one page of latent rows changed, are refused
   with HTTP 500 "KV integrity check failed" before the first decode step, counted, and the next
   request is reference-identical;
@@ -73,18 +74,24 @@ def mla_oracle(mla_reference: SGLangServer) -> Oracle:
     return Oracle(mla_reference.url)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+#: (backend, page size) of the MLA stacks: page size 1 on Mooncake, 16 on NIXL (partial last
+#: pages of latent rows), one stack each.
+STACKS = list(zip(BACKENDS, (1, 16), strict=True))
+
+
+@pytest.fixture(scope="module", params=STACKS, ids=[f"{b}-page{p}" for b, p in STACKS])
 def mla_pd(request: pytest.FixtureRequest, mla_model: Path, log_dir: Path,
            mla_reference: SGLangServer) -> Iterator[PDStack]:
     """A PD pair + router serving the MLA model (pools of 1024 tokens: pages are reused); the
     decode runs the test-only faults ``foreign_kv:16,kv_corrupt`` (each acts only on rids with
     its prefix)."""
+    backend, page = request.param
     with pd_stack(
-        request.param, log_dir,
+        backend, log_dir,
         prefill=ServerConfig(role="prefill", model_path=mla_model, max_total_tokens=POOL,
-                             context_length=POOL),
+                             context_length=POOL, page_size=page),
         decode=ServerConfig(role="decode", model_path=mla_model, max_total_tokens=POOL,
-                            context_length=POOL,
+                            context_length=POOL, page_size=page,
                             env={"SGLANG_PDSAFE_TEST_FAULTS": "foreign_kv:16,kv_corrupt"}),
     ) as stack:
         yield stack
