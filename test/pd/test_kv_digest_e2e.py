@@ -26,16 +26,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from pdsafe_testkit.backends import ci_backends
-from pdsafe_testkit.faults import CORRUPT_LOG, CORRUPT_MODES, CORRUPT_PREFIX
-from pdsafe_testkit.metrics import metric_total
+from pdsafe_testkit.faults import CORRUPT_MODES
+from pdsafe_testkit.kv_checks import (
+    DIGEST_REFUSED,
+    REFUSALS,
+    corrupted_transfer_is_refused,
+    digest_counters,
+)
 from pdsafe_testkit.oracle import random_prompt
 from pdsafe_testkit.servers import direct_pd_generate, generate
 
 pytestmark = pytest.mark.server
 
 MAX_NEW = 16
-HEAD = "KV integrity check failed"
-REFUSALS = ("mismatch", "missing", "invalid", "failed")
+HEAD = DIGEST_REFUSED
 
 
 @pytest.fixture(autouse=True)
@@ -45,22 +49,17 @@ def _ci_backends_only(pd) -> None:
                     "(PDSAFE_FULL_BACKENDS=all runs every backend)")
 
 
-def _counters(url: str) -> dict[str, float]:
-    return {k: metric_total(url, f"sglang:pdsafe_kv_digest_{k}_total")
-            for k in (*REFUSALS, "verified")}
-
-
 def _clean_traffic_matches(pd, oracle, model_path, seed: int, n: int = 4) -> None:
     """``n`` concurrent clean requests through the router: reference-identical, each checked,
     none refused."""
-    before = _counters(pd.decode.url)
+    before = digest_counters(pd.decode.url)
     rng = random.Random(seed)
     prompts = [random_prompt(rng, rng.randint(20, 160), model_path) for _ in range(n)]
     with ThreadPoolExecutor(n) as ex:
         results = list(ex.map(lambda p: generate(pd.router.url, p, MAX_NEW), prompts))
     for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
         oracle.assert_identical(r, p, MAX_NEW, what=f"{pd.backend} clean request {i}")
-    after = _counters(pd.decode.url)
+    after = digest_counters(pd.decode.url)
     assert {k: after[k] - before[k] for k in REFUSALS} == dict.fromkeys(REFUSALS, 0), \
         "the digest refused clean transfers (false alarm)"
     assert after["verified"] - before["verified"] >= n, \
@@ -72,17 +71,7 @@ def test_corrupted_kv_is_refused_with_500_and_the_next_requests_match(pd, oracle
                                                                       mode):
     rng = random.Random(f"corrupt-{mode}")
     prompt = random_prompt(rng, 150, model_path)
-    rid = f"{CORRUPT_PREFIX}{mode}-{uuid.uuid4().hex}"
-    room = rng.randrange(1 << 62)
-    before = _counters(pd.decode.url)
-    _, r = direct_pd_generate(pd, prompt, MAX_NEW, rid=rid, room=room)
-    assert f"{CORRUPT_LOG}: rid {rid}, mode {mode}" in pd.decode.process.log_text(), \
-        "the corruption fault did not act (the test proves nothing)"
-    assert r.status == 500, (f"{pd.backend}: decode answered KV corrupted at commit ({mode}) "
-                             f"with {r.status}: {r.error_message[:300]}")
-    assert HEAD in r.error_message and str(room) in r.error_message, r.error_message
-    after = _counters(pd.decode.url)
-    assert after["mismatch"] == before["mismatch"] + 1
+    corrupted_transfer_is_refused(pd, prompt, mode, rng, MAX_NEW, what=pd.backend)
     _clean_traffic_matches(pd, oracle, model_path, seed=len(mode))
 
 
@@ -95,12 +84,12 @@ def test_foreign_kv_written_before_the_check_is_refused(pd, oracle, model_path):
     tag = uuid.uuid4().hex
     _, ra = direct_pd_generate(pd, a, MAX_NEW, rid=f"pdsafe-fault-source-{tag}")
     oracle.assert_identical(ra, a, MAX_NEW, what="fault source request")
-    before = _counters(pd.decode.url)
+    before = digest_counters(pd.decode.url)
     _, rb = direct_pd_generate(pd, b, MAX_NEW, rid=f"pdsafe-fault-inject-{tag}")
     assert rb.status == 500 and HEAD in rb.error_message, (
         f"{pd.backend}: foreign KV before the check was answered {rb.status}: "
         f"{rb.error_message[:300]}")
-    assert _counters(pd.decode.url)["mismatch"] == before["mismatch"] + 1
+    assert digest_counters(pd.decode.url)["mismatch"] == before["mismatch"] + 1
     _, rc = direct_pd_generate(pd, b, MAX_NEW)
     oracle.assert_identical(rc, b, MAX_NEW, what="same prompt, no fault")
 

@@ -28,15 +28,18 @@ objects over the real transports in ``test/kv/test_kv_digest_layouts.py``.
 from __future__ import annotations
 
 import random
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from pdsafe_testkit.backends import BACKENDS, ci_backends
-from pdsafe_testkit.faults import CORRUPT_LOG, CORRUPT_PREFIX
-from pdsafe_testkit.metrics import metric_total
+from pdsafe_testkit.kv_checks import (
+    REFUSALS,
+    answer_with_foreign_kv_after_checks,
+    corrupted_transfer_is_refused,
+    digest_counters,
+)
 from pdsafe_testkit.models import tiny_mla_model
 from pdsafe_testkit.oracle import Oracle, Verdict, random_prompt, word_token_range
 from pdsafe_testkit.servers import (
@@ -53,8 +56,6 @@ pytestmark = pytest.mark.server
 
 MAX_NEW = 16
 POOL = 1024
-HEAD = "KV integrity check failed"
-REFUSALS = ("mismatch", "missing", "invalid", "failed")
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +98,6 @@ def mla_pd(request: pytest.FixtureRequest, mla_model: Path, log_dir: Path,
         yield stack
 
 
-def _counters(url: str) -> dict[str, float]:
-    return {k: metric_total(url, f"sglang:pdsafe_kv_digest_{k}_total")
-            for k in (*REFUSALS, "verified")}
-
-
 def test_the_mla_models_answer_depends_on_its_kv(mla_reference, mla_model):
     """The reference's greedy answer changes when one early prompt token does: the model reads
     its (latent) KV, so the identical answers below are evidence."""
@@ -121,12 +117,12 @@ def test_mla_pd_traffic_matches_reference_and_every_transfer_is_verified(mla_pd,
     rng = random.Random(f"mla-{mla_pd.backend}")
     prompts = [random_prompt(rng, rng.randint(17, 200), mla_model) for _ in range(12)]
     assert sum(len(p) + MAX_NEW for p in prompts) > POOL, "no page reuse"
-    before = _counters(mla_pd.decode.url)
+    before = digest_counters(mla_pd.decode.url)
     with ThreadPoolExecutor(4) as ex:
         results = list(ex.map(lambda p: generate(mla_pd.router.url, p, MAX_NEW), prompts))
     for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
         mla_oracle.assert_identical(r, p, MAX_NEW, what=f"{mla_pd.backend} MLA request {i}")
-    after = _counters(mla_pd.decode.url)
+    after = digest_counters(mla_pd.decode.url)
     assert {k: after[k] - before[k] for k in REFUSALS} == dict.fromkeys(REFUSALS, 0), \
         "the digest refused clean MLA transfers (false alarm)"
     assert after["verified"] - before["verified"] >= len(prompts), \
@@ -143,16 +139,8 @@ def test_a_corrupted_latent_row_is_refused_with_500(mla_pd, mla_oracle, mla_mode
                     "(PDSAFE_FULL_BACKENDS=all runs every backend)")
     rng = random.Random(f"mla-corrupt-{mode}")
     prompt = random_prompt(rng, 150, mla_model)
-    rid = f"{CORRUPT_PREFIX}{mode}-{uuid.uuid4().hex}"
-    room = rng.randrange(1 << 62)
-    before = _counters(mla_pd.decode.url)
-    _, r = direct_pd_generate(mla_pd, prompt, MAX_NEW, rid=rid, room=room)
-    assert f"{CORRUPT_LOG}: rid {rid}, mode {mode}" in mla_pd.decode.process.log_text(), \
-        "the corruption fault did not act (the test proves nothing)"
-    assert r.status == 500, (f"{mla_pd.backend}: decode answered MLA KV corrupted at commit "
-                             f"({mode}) with {r.status}: {r.error_message[:300]}")
-    assert HEAD in r.error_message and str(room) in r.error_message, r.error_message
-    assert _counters(mla_pd.decode.url)["mismatch"] == before["mismatch"] + 1
+    corrupted_transfer_is_refused(mla_pd, prompt, mode, rng, MAX_NEW,
+                                  what=f"{mla_pd.backend} MLA")
     _, clean = direct_pd_generate(mla_pd, prompt, MAX_NEW)
     mla_oracle.assert_identical(clean, prompt, MAX_NEW, what="same prompt, no fault")
 
@@ -165,11 +153,7 @@ def test_the_oracle_sees_foreign_latent_kv(mla_pd, mla_oracle, mla_model):
     rng = random.Random(f"mla-foreign-{mla_pd.backend}")
     a = random_prompt(rng, 200, mla_model)
     b = random_prompt(rng, 200, mla_model)
-    tag = uuid.uuid4().hex
-    _, ra = direct_pd_generate(mla_pd, a, MAX_NEW, rid=f"pdsafe-fault-source-{tag}")
-    mla_oracle.assert_identical(ra, a, MAX_NEW, what="fault source request")
-    _, rb = direct_pd_generate(mla_pd, b, MAX_NEW, rid=f"pdsafe-fault-postcheck-{tag}")
-    assert rb.status == 200, rb.error_message
+    rb = answer_with_foreign_kv_after_checks(mla_pd, mla_oracle, a, b, MAX_NEW)
     assert mla_oracle.judge(rb, b, MAX_NEW) is Verdict.WRONG_CONTENT, \
         "the oracle missed foreign MLA KV"
     _, rc = direct_pd_generate(mla_pd, b, MAX_NEW)

@@ -7,10 +7,10 @@ request's pages, the oracle must see the foreign content (else the other tests p
 from __future__ import annotations
 
 import random
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from pdsafe_testkit.kv_checks import answer_with_foreign_kv_after_checks
 from pdsafe_testkit.oracle import Verdict, random_prompt
 from pdsafe_testkit.servers import (
     SHARED_DECODE_POOL,
@@ -60,11 +60,7 @@ def test_oracle_sees_injected_foreign_kv(pd, oracle, model_path):
     rng = random.Random(7)
     a = random_prompt(rng, 200, model_path)
     b = random_prompt(rng, 200, model_path)
-    tag = uuid.uuid4().hex
-    _, ra = direct_pd_generate(pd, a, MAX_NEW, rid=f"pdsafe-fault-source-{tag}")
-    oracle.assert_identical(ra, a, MAX_NEW, what="fault source request")
-    _, rb = direct_pd_generate(pd, b, MAX_NEW, rid=f"pdsafe-fault-postcheck-{tag}")
-    assert rb.status == 200, rb.body
+    rb = answer_with_foreign_kv_after_checks(pd, oracle, a, b, MAX_NEW)
     assert oracle.judge(rb, b, MAX_NEW) is Verdict.WRONG_CONTENT, "oracle missed foreign KV"
     # The first token comes from prefill (clean); the next 15 copy the foreign positions.
     assert rb.output_ids[1:16] == a[-15:], (
