@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import random
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from pdsafe_testkit.backends import ci_backends
 from pdsafe_testkit.faults import CORRUPT_MODES
 from pdsafe_testkit.kv_checks import (
     DIGEST_REFUSED,
-    REFUSALS,
+    clean_traffic_is_verified,
     corrupted_transfer_is_refused,
     digest_counters,
 )
 from pdsafe_testkit.oracle import random_prompt
-from pdsafe_testkit.servers import direct_pd_generate, generate
+from pdsafe_testkit.servers import direct_pd_generate
 
 pytestmark = pytest.mark.server
 
@@ -52,18 +51,9 @@ def _ci_backends_only(pd) -> None:
 def _clean_traffic_matches(pd, oracle, model_path, seed: int, n: int = 4) -> None:
     """``n`` concurrent clean requests through the router: reference-identical, each checked,
     none refused."""
-    before = digest_counters(pd.decode.url)
     rng = random.Random(seed)
     prompts = [random_prompt(rng, rng.randint(20, 160), model_path) for _ in range(n)]
-    with ThreadPoolExecutor(n) as ex:
-        results = list(ex.map(lambda p: generate(pd.router.url, p, MAX_NEW), prompts))
-    for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
-        oracle.assert_identical(r, p, MAX_NEW, what=f"{pd.backend} clean request {i}")
-    after = digest_counters(pd.decode.url)
-    assert {k: after[k] - before[k] for k in REFUSALS} == dict.fromkeys(REFUSALS, 0), \
-        "the digest refused clean transfers (false alarm)"
-    assert after["verified"] - before["verified"] >= n, \
-        "the decode did not verify the clean transfers (is the digest running?)"
+    clean_traffic_is_verified(pd, oracle, prompts, MAX_NEW, what=pd.backend, workers=n)
 
 
 @pytest.mark.parametrize("mode", CORRUPT_MODES)

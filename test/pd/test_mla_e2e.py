@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from pdsafe_testkit.backends import BACKENDS, ci_backends
 from pdsafe_testkit.kv_checks import (
-    REFUSALS,
     answer_with_foreign_kv_after_checks,
+    clean_traffic_is_verified,
     corrupted_transfer_is_refused,
-    digest_counters,
 )
 from pdsafe_testkit.models import tiny_mla_model
 from pdsafe_testkit.oracle import Oracle, Verdict, random_prompt, word_token_range
@@ -117,16 +115,8 @@ def test_mla_pd_traffic_matches_reference_and_every_transfer_is_verified(mla_pd,
     rng = random.Random(f"mla-{mla_pd.backend}")
     prompts = [random_prompt(rng, rng.randint(17, 200), mla_model) for _ in range(12)]
     assert sum(len(p) + MAX_NEW for p in prompts) > POOL, "no page reuse"
-    before = digest_counters(mla_pd.decode.url)
-    with ThreadPoolExecutor(4) as ex:
-        results = list(ex.map(lambda p: generate(mla_pd.router.url, p, MAX_NEW), prompts))
-    for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
-        mla_oracle.assert_identical(r, p, MAX_NEW, what=f"{mla_pd.backend} MLA request {i}")
-    after = digest_counters(mla_pd.decode.url)
-    assert {k: after[k] - before[k] for k in REFUSALS} == dict.fromkeys(REFUSALS, 0), \
-        "the digest refused clean MLA transfers (false alarm)"
-    assert after["verified"] - before["verified"] >= len(prompts), \
-        "the decode did not verify the MLA transfers (is the digest running on the latent pool?)"
+    clean_traffic_is_verified(mla_pd, mla_oracle, prompts, MAX_NEW,
+                              what=f"{mla_pd.backend} MLA")
 
 
 @pytest.mark.parametrize("mode", ["bit", "page"])

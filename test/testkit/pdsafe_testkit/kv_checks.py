@@ -2,6 +2,8 @@
 decode runs the test-only faults ``foreign_kv:16,kv_corrupt``).
 
 * :func:`digest_counters`: the decode's KV digest counters (verified and each refusal class);
+* :func:`clean_traffic_is_verified`: concurrent clean requests through the router are
+  reference-identical, each verified by the decode's digest, none refused (no false alarm);
 * :func:`corrupted_transfer_is_refused`: one request whose transferred KV the ``kv_corrupt``
   fault changes at commit must end in HTTP 500 "KV integrity check failed" naming its room, with
   one more ``kv_digest_mismatch_total``;
@@ -15,12 +17,13 @@ from __future__ import annotations
 import random
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pdsafe_testkit.faults import CORRUPT_LOG, CORRUPT_PREFIX
 from pdsafe_testkit.metrics import metric_total
 from pdsafe_testkit.oracle import Oracle
-from pdsafe_testkit.servers import GenResult, direct_pd_generate
+from pdsafe_testkit.servers import GenResult, direct_pd_generate, generate
 
 #: The head of every digest refusal's error message.
 DIGEST_REFUSED = "KV integrity check failed"
@@ -32,6 +35,22 @@ def digest_counters(url: str) -> dict[str, float]:
     """The server's ``kv_digest_{verified, mismatch, missing, invalid, failed}_total``."""
     return {k: metric_total(url, f"sglang:pdsafe_kv_digest_{k}_total")
             for k in (*REFUSALS, "verified")}
+
+
+def clean_traffic_is_verified(stack: Any, oracle: Oracle, prompts: Sequence[Sequence[int]],
+                              max_new: int, what: str, workers: int = 4) -> None:
+    """Send ``prompts`` through ``stack``'s router, ``workers`` at a time: every answer equals
+    the reference's, the decode verified at least one transfer per prompt, and refused none."""
+    before = digest_counters(stack.decode.url)
+    with ThreadPoolExecutor(workers) as ex:
+        results = list(ex.map(lambda p: generate(stack.router.url, p, max_new), prompts))
+    for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
+        oracle.assert_identical(r, p, max_new, what=f"{what} clean request {i}")
+    after = digest_counters(stack.decode.url)
+    assert {k: after[k] - before[k] for k in REFUSALS} == dict.fromkeys(REFUSALS, 0), \
+        f"{what}: the digest refused clean transfers (false alarm)"
+    assert after["verified"] - before["verified"] >= len(prompts), \
+        f"{what}: the decode did not verify the clean transfers (is the digest running?)"
 
 
 def corrupted_transfer_is_refused(stack: Any, prompt: Sequence[int], mode: str,
