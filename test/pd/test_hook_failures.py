@@ -207,11 +207,31 @@ KNOWN_FINDINGS: dict[str, str] = {
                                       "the messages that did go out unsigned are dropped "
                                       "there (as they must be: anyone could send them); not "
                                       "in the CI sample",
+    "transfer_generation.generation_frames": "a prefill that cannot attach the decode's "
+                                             "generation to its Success, aux data or Failed "
+                                             "sends them untagged; the decode drops them (an "
+                                             "untagged notice could be anyone's) and waits "
+                                             "for its timeout, as the hook declares (the "
+                                             "RecursionError that poisoned the prefill here "
+                                             "is closed: transfer.fail_room is not re-entered "
+                                             "for a room it is failing); not in the CI sample",
+    "transfer_generation.status_frames": "as transfer_generation.generation_frames, for the "
+                                         "KV status messages; not in the CI sample",
+    "transfer_generation.note_metadata": "the prefill fails the room while upstream's "
+                                         "bootstrap thread still records the decode's "
+                                         "metadata; that thread then raises KeyError on the "
+                                         "room's dropped state and both legs of the room wait "
+                                         "for their timeouts; not in the CI sample",
+    "unclaimed_rooms.note_metadata": "as transfer_generation.note_metadata (the same arrival "
+                                     "path); not in the CI sample",
 }
 #: Closed 2026-12-06: ``coverage.attest_prefill_hook`` and ``page_generation.note_source_chunk``
 #: (the abort items' second request of the refused room waited 20 s on the decode: peer release
 #: told each decode endpoint once per refused room, not once per reservation; it now keys the
 #: answer by the reservation's transfer generation, test/unit/test_peer_release_backends.py).
+#: Found 2026-12-07 in a run of every ``control_mac`` and ``transfer_generation`` hook (not in
+#: the CI sample; the same failures on the tree of the previous stop): the four entries above
+#: from ``transfer_generation.generation_frames`` down.
 #: Closed 2026-12-07: ``control_mac.verified`` (the direct item's prefill leg waited 20 s when
 #: the decode's message for the room, dropped by the failing check, reached the prefill before
 #: the request did:

@@ -185,3 +185,40 @@ def test_a_new_reservation_of_a_refused_room_is_told_too(backend):
     assert parsed is not None and parsed[0] == room and parsed[1] == int(KVPoll.Failed)
     assert transfer_generation.frame_generation(sent[1][1]) == 12, \
         "the answer must carry the new reservation's generation (the decode drops others)"
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_fail_room_is_not_reentered_for_the_room_it_is_failing(backend):
+    """Failing a room on a prefill tells its decode, and telling the decode runs hooks of its
+    own (the generation frames of the Failed); a failing one of them has ``fail_room`` as its
+    failure outcome, for the same room. In the hook-failure suite
+    (``transfer_generation.generation_frames``, the abort items) that recursed until the stack
+    overflowed and the prefill poisoned itself (RecursionError in the failure outcome); with
+    the guard the case shows only the hook's declared outcome. Here the re-entry is made
+    directly, from inside the first call: the inner call returns at once (the outer one is
+    failing the room), the room is failed once, nothing is poisoned."""
+    from types import SimpleNamespace
+
+    from sglang.pdsafe import policy, transfer
+    from sglang.pdsafe.policy import Refusal
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    m, sent = _prefill_manager(_backend_managers()[backend])
+    room = random.randrange(1 << 62)
+    m.transfer_infos[room] = {"decode-0": SimpleNamespace(endpoint="127.0.0.1", dst_port=4321,
+                                                         is_dummy=False)}
+    m.request_status[room] = KVPoll.WaitingForInput
+    refusal = Refusal(500, "a check failed", "coverage_check_failed_total")
+    recorded: list[int] = []
+    record_failure = m.record_failure
+
+    def reentering(r: int, reason: str) -> None:
+        recorded.append(r)
+        record_failure(r, reason)
+        assert transfer.fail_room(m, r, refusal), "the re-entered call must report the room failed"
+
+    m.record_failure = reentering
+    assert transfer.fail_room(m, room, refusal)
+    assert recorded == [room], f"the room was failed {len(recorded)} times"
+    assert len(sent) == 1, f"{backend}: the decode was told {len(sent)} times"
+    assert policy.poisoned() is None

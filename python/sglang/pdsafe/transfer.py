@@ -439,6 +439,10 @@ def held() -> list[HeldRow]:
 # =========================================================================== outcomes
 
 
+#: (id of the KV manager, room) pairs :func:`fail_room` is failing on this thread right now.
+_failing = threading.local()
+
+
 def fail_room(kv_mgr: Any, room: Any, refusal: Refusal) -> bool:
     """Refuse the transfer of ``room`` now, through upstream's own failure path: record the
     reason and mark the room Failed; the scheduler's next poll fails the request with it.
@@ -452,12 +456,32 @@ def fail_room(kv_mgr: Any, room: Any, refusal: Refusal) -> bool:
     first, its request has not arrived) is remembered as refused the same way: the sender
     opened for it later fails at once (``peer_release.on_sender_created``) instead of waiting
     for metadata that was dropped. Returns False when the room has no state on ``kv_mgr``
-    (nothing failed now: the caller refuses by other means)."""
-    from sglang.srt.disaggregation.base.conn import KVPoll
+    (nothing failed now: the caller refuses by other means).
 
+    Re-entrant calls for the same room on the same thread return at once (True: the outer
+    call is failing it): telling the decode runs hooks of its own (the generation frames of the
+    Failed), and the failure outcome of such a hook is this function again; without the guard
+    a failing frame hook recursed until the stack overflowed, and the server poisoned itself."""
     if room is None or kv_mgr is None:
         return False
     room = int(room)
+    active: set[tuple[int, int]] | None = getattr(_failing, "rooms", None)
+    if active is None:
+        active = _failing.rooms = set()
+    key = (id(kv_mgr), room)
+    if key in active:
+        return True
+    active.add(key)
+    try:
+        return _fail_room_once(kv_mgr, room, refusal)
+    finally:
+        active.discard(key)
+
+
+def _fail_room_once(kv_mgr: Any, room: int, refusal: Refusal) -> bool:
+    """:func:`fail_room`'s body, entered once per room and thread at a time."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
     rec = leg(kv_mgr).of_room(room)
     if rec is not None:
         rec.refuse(refusal)
