@@ -327,15 +327,19 @@ def _epochs(kv_mgr: Any) -> tuple[int, ...]:
     return (-next(_decode_table(kv_mgr).counter),)
 
 
-def _receiver_record(receiver: Any) -> transfer.Transfer:
-    """The live record of ``receiver``'s room (a new one when nothing claimed it: a
+def _room_record(kv_mgr: Any, room: int) -> transfer.Transfer:
+    """The live record of ``room`` on this decode leg (a new one when nothing claimed it: a
     receiver built without the scheduler's door, as upstream's tests do)."""
-    lg = transfer.leg(receiver.kv_mgr)
-    room = int(receiver.bootstrap_room)
+    lg = transfer.leg(kv_mgr)
     rec = lg.of_room(room)
     if rec is None or not rec.is_open:
         rec = lg.open(room, f"room-{room}")
     return rec
+
+
+def _receiver_record(receiver: Any) -> transfer.Transfer:
+    """The live record of ``receiver``'s room (:func:`_room_record`)."""
+    return _room_record(receiver.kv_mgr, int(receiver.bootstrap_room))
 
 
 def _receiver_key(receiver: Any, *_: Any, **__: Any) -> Any:
@@ -446,12 +450,8 @@ def note_bootstrap_sent(kv_mgr: Any, room: Any) -> None:
     the same room number has to send its own."""
     if room is None:
         return
-    lg = transfer.leg(kv_mgr)
-    room = int(room)
-    rec = lg.of_room(room)
-    if rec is None or not rec.is_open:
-        rec = lg.open(room, f"room-{room}")
-    with lg.lock:
+    rec = _room_record(kv_mgr, int(room))
+    with transfer.leg(kv_mgr).lock:
         rec.bootstrap_out = True
 
 
