@@ -217,21 +217,20 @@ KNOWN_FINDINGS: dict[str, str] = {
                                              "for a room it is failing); not in the CI sample",
     "transfer_generation.status_frames": "as transfer_generation.generation_frames, for the "
                                          "KV status messages; not in the CI sample",
-    "transfer_generation.note_metadata": "the prefill fails the room while upstream's "
-                                         "bootstrap thread still records the decode's "
-                                         "metadata; that thread then raises KeyError on the "
-                                         "room's dropped state and both legs of the room wait "
-                                         "for their timeouts; not in the CI sample",
-    "unclaimed_rooms.note_metadata": "as transfer_generation.note_metadata (the same arrival "
-                                     "path); not in the CI sample",
 }
 #: Closed 2026-12-06: ``coverage.attest_prefill_hook`` and ``page_generation.note_source_chunk``
 #: (the abort items' second request of the refused room waited 20 s on the decode: peer release
 #: told each decode endpoint once per refused room, not once per reservation; it now keys the
 #: answer by the reservation's transfer generation, test/unit/test_peer_release_backends.py).
 #: Found 2026-12-07 in a run of every ``control_mac`` and ``transfer_generation`` hook (not in
-#: the CI sample; the same failures on the tree of the previous stop): the four entries above
-#: from ``transfer_generation.generation_frames`` down.
+#: the CI sample; the same failures on the tree of the previous stop): the two entries above
+#: from ``transfer_generation.generation_frames`` down, and two closed since:
+#: Closed 2026-12-07 (later): ``transfer_generation.note_metadata`` and
+#: ``unclaimed_rooms.note_metadata`` (the note's refusal dropped the room's metadata while
+#: upstream's bootstrap thread still read it: a KeyError that ended NIXL's bootstrap thread, and
+#: the decode's refusal went out untagged; now the manager's named call returns False and
+#: upstream skips the room, and the refusal carries the generation the decode sent:
+#: test/unit/test_unclaimed_rooms.py).
 #: Closed 2026-12-07: ``control_mac.verified`` (the direct item's prefill leg waited 20 s when
 #: the decode's message for the room, dropped by the failing check, reached the prefill before
 #: the request did:

@@ -109,7 +109,9 @@ def test_duplicate_rooms_concurrent_direct(pd, oracle, model_path):
     # Every room is released: the same rooms serve a new request once theirs are gone. Until
     # then every request of the room gets an explicit error, never wrong content (checked on
     # each attempt): a 409 while a request of it is in flight; a 400 while the prefill
-    # remembers the room as refused (a reservation no prefill request claimed); or a 500 from
+    # remembers the room as refused (a reservation no prefill request claimed: one
+    # SGLANG_PDSAFE_UNCLAIMED_ROOM_TIMEOUT_S, 10 s here, after its drop; CI of 28a7bdc failed
+    # when that lasted peer release's 600 s); or a 500 from
     # the coverage check when a duplicate's prefill leg, still waiting for its decode (see
     # LEG_TIMEOUT_S), takes the new request's decode metadata (NIXL, CI of 2026-12-07: the
     # attestation refused the mismatched transfer). The room must serve within

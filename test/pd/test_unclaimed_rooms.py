@@ -58,13 +58,13 @@ def test_a_request_sent_to_the_decode_alone_is_answered_and_released(pd, oracle,
     assert waited <= TIMEOUT_S + SLACK_S, f"answered only after {waited:.1f}s"
     assert "SGLANG_PDSAFE_UNCLAIMED_ROOM_TIMEOUT_S" in r.error_message, r.error_message
     assert not r.output_ids, "an error must carry no tokens"
+    # The room's own prefill request, arriving late (within the one timeout the prefill
+    # remembers the dropped room), is refused at once: its metadata is gone.
+    late = generate(pd.prefill.url, ids, MAX_NEW, timeout=30, **boot)
+    assert late.status >= 400 and not late.output_ids, (late.status, late.body)
     held = decode_idle(pd.decode, 10)
     assert not any(held.values()), f"the decode still holds the reservation: {held}"
     assert pd.prefill.metric(DROPPED) >= dropped0 + 1, "the drop was not counted"
-
-    # The room's own prefill request, arriving late, is refused at once: its metadata is gone.
-    late = generate(pd.prefill.url, ids, MAX_NEW, timeout=30, **boot)
-    assert late.status >= 400 and not late.output_ids, (late.status, late.body)
 
     # The pair serves on, reference-identical (content, not status codes).
     prompts = [random_prompt(rng, rng.randint(40, 120), model_path) for _ in range(3)]

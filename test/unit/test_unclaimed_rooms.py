@@ -82,6 +82,44 @@ def test_metadata_no_request_claims_is_dropped_and_its_decode_told(backend, monk
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dropped_room_is_refused_for_one_timeout_then_serves_a_new_request(backend,
+                                                                              monkeypatch):
+    """The refusal a drop leaves behind fails the dropped room's own late request for one more
+    timeout, not for peer release's 600 s default: a client that reuses the room number later
+    for a new request (new metadata, new generation) is served. CI of 28a7bdc: the room-reuse
+    check got 400 for 30 s after a duplicate's unclaimed reservation was dropped."""
+    from sglang.pdsafe import peer_release, unclaimed_rooms
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    monkeypatch.setenv(unclaimed_rooms.ENV_TIMEOUT, "0.5")
+    m, sent = _prefill_manager(_backend_managers()[backend])
+    room = random.randrange(1 << 62)
+    _metadata(m, room, generation=7)
+    unclaimed_rooms.expire(m, _table(m), time.monotonic() + 1.0)
+    assert len(sent) == 1 and room not in m.transfer_infos
+    rec = peer_release._registry(m).get(room)
+    assert rec is not None, "the dropped room must be remembered as refused"
+    assert rec.expires - rec.t0 == pytest.approx(0.5), (
+        "the refusal of a dropped room must last one unclaimed-room timeout")
+    # Within it, the late request fails at once.
+    late = SimpleNamespace(kv_mgr=m, bootstrap_room=room)
+    m.update_status(room, KVPoll.Bootstrapping)
+    peer_release.on_sender_created(late)
+    assert m.request_status.get(room) == KVPoll.Failed
+    peer_release.on_sender_cleared(late)
+    m.request_status.pop(room, None)
+    # After it, a new request of the room: its metadata is kept and its sender is not failed.
+    time.sleep(0.6)
+    assert peer_release._registry(m).get(room) is None
+    _metadata(m, room, generation=8)
+    assert room in m.transfer_infos
+    m.update_status(room, KVPoll.Bootstrapping)
+    peer_release.on_sender_created(SimpleNamespace(kv_mgr=m, bootstrap_room=room))
+    assert m.request_status.get(room) == KVPoll.Bootstrapping
+    assert len(sent) == 1, "the new reservation must not be answered Failed"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_room_whose_request_came_and_went_is_not_dropped(backend, monkeypatch):
     """A request that claimed its room and finished before the deadline: nothing is sent to
     its decode and the room is not remembered as refused (its next request is served)."""
@@ -170,3 +208,44 @@ def test_a_malformed_timeout_refuses_the_start(value, monkeypatch):
     with pytest.raises(unclaimed_rooms.UnclaimedRoomSettingError,
                        match=unclaimed_rooms.ENV_TIMEOUT):
         unclaimed_rooms.check_settings()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("hook", ["transfer_generation.note_metadata",
+                                  "unclaimed_rooms.note_metadata"])
+def test_a_note_that_fails_refuses_the_room_and_upstream_skips_it(backend, hook, tmp_path):
+    """A metadata note that cannot run fails the room at once: the prefill manager's named
+    call (``pdsafe_note_transfer_generation``, patch 0025) returns False, so upstream's
+    bootstrap thread skips the room instead of reading its dropped metadata (the KeyError
+    that killed NIXL's bootstrap thread, hook-failure suite of 2026-12-07); the decode is told
+    Failed with the generation it sent (an untagged notice is dropped there); the room's
+    request, arriving later, fails at once."""
+    from pdsafe_testkit.hook_fail import Control, HookFail
+    from sglang.pdsafe import peer_release, policy, transfer_generation
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    m, sent = _prefill_manager(_backend_managers()[backend])
+    room = random.randrange(1 << 62)
+    hf = HookFail(tmp_path / "control.json", "unit")
+    try:
+        hf.install([hook], poller=False)
+        Control(seq=1, armed={hook: "entry"}).write(hf.control_path)
+        hf.poll()
+        m.transfer_infos.setdefault(room, {})["decode-4321"] = SimpleNamespace(
+            endpoint="127.0.0.1", dst_port=4321, is_dummy=False, dst_kv_indices=list(range(8)))
+        msg = [str(room).encode(), b"127.0.0.1", b"4321", b"sess", b"", b"0", b"1",
+               transfer_generation.encode_frame(31)]
+        assert m.pdsafe_note_transfer_generation(room, msg) is False
+        assert hf.injected == {hook: 1}
+    finally:
+        hf.uninstall()
+        policy.reset_for_tests()
+    assert room not in m.transfer_infos, "the refused room's page addresses must be dropped"
+    assert len(sent) == 1, sent
+    parsed = m.parse_kv_status_message(sent[0][1])
+    assert parsed[0] == room and parsed[1] == int(KVPoll.Failed)
+    assert transfer_generation.frame_generation(sent[0][1]) == 31, \
+        "the refusal must carry the decode's generation (the decode drops an untagged one)"
+    m.update_status(room, KVPoll.Bootstrapping)
+    peer_release.on_sender_created(SimpleNamespace(kv_mgr=m, bootstrap_room=room))
+    assert m.request_status.get(room) == KVPoll.Failed

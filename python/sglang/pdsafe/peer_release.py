@@ -280,17 +280,20 @@ def _answer_decode(kv_mgr: Any, room: int, rec: _Room) -> bool:
       effect="the request stays refused; its decode is not told and frees at its own timeout "
              "(counted)")
 def prefill_rejected(kv_mgr: Any, room: int | None, reason: str, origin: str = ORIGIN_LOCAL,
-                     t0_wall: float | None = None, status: int | None = None) -> None:
+                     t0_wall: float | None = None, status: int | None = None,
+                     ttl_s: float | None = None) -> None:
     """This prefill will not serve ``room``: answer decode's metadata with Failed (now or later).
 
     Called at the prefill doors (request refused before a sender exists), when a sender is
-    aborted before its transfer, and for a bare ABORT from our own HTTP layer.
+    aborted before its transfer, for a bare ABORT from our own HTTP layer, and when an
+    unclaimed room's metadata is dropped. The refusal is remembered for ``ttl_s`` (default
+    ``SGLANG_PDSAFE_PEER_RELEASE_TTL``); a room already remembered keeps its first expiry.
     """
     if room is None or kv_mgr is None or not enabled() or not _is_prefill(kv_mgr):
         return
     if kv_mgr.pdsafe_room_status(int(room)) == _kvpoll().Success:
         return  # the KV was already sent: nothing is reserved for it any more
-    rec = _registry(kv_mgr).record(int(room), reason, origin, t0_wall, status)
+    rec = _registry(kv_mgr).record(int(room), reason, origin, t0_wall, status, ttl_s=ttl_s)
     _answer_decode(kv_mgr, int(room), rec)
 
 

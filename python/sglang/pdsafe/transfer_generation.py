@@ -627,10 +627,20 @@ def _text(value: Any) -> str:
 
 
 def _note_failed(failure: policy.Failure) -> None:
-    """The generation could not be recorded: the room fails here now (its prefill client
-    gets an explicit error; the decode, whose messages from here would carry no
-    generation, fails at its own timeout, or at once through the router's cancel)."""
-    kv_mgr, room = failure.args[0], failure.args[1]
+    """The note could not run: the room fails here now. Its prefill client gets an explicit
+    error (the sender opened later fails at once). The decode is told ``Failed`` tagged with
+    the generation its message carried, when that one step still runs on its own (it reads
+    the frame and stores it, nothing else); otherwise the untagged notice is dropped there,
+    as it must be, and the decode fails at its own timeout or the router's cancel (counted
+    here). The room's metadata is dropped, so upstream's bootstrap thread skips the room
+    (``pdsafe_note_transfer_generation`` returns False) and nothing is ever written to it."""
+    kv_mgr, room, msg = failure.args[0], failure.args[1], failure.args[2]
+    try:
+        _record_generation(kv_mgr, int(room), msg)
+    except Exception:  # noqa: BLE001 - the decode then waits for its timeout, as declared
+        logger.warning("pdsafe transfer generation: the refusal of room %s goes out untagged "
+                       "(its generation could not be read either); its decode drops it and "
+                       "fails at its own timeout", room, exc_info=True)
     transfer.fail_room(kv_mgr, room, failure.refusal(
         500, "the KV transfer (the decode's transfer generation could not be recorded)"))
 
@@ -643,13 +653,22 @@ METADATA_NOTED: list[Callable[[Any, int], None]] = []
 
 @hook("transfer_generation.note_metadata", outcome=Outcome.REFUSE, counter=FAILED,
       on_failure=_note_failed, key=lambda kv_mgr, room, msg: ("room", room),
-      effect="the room fails on the prefill at once; the decode leg fails at its timeout "
-             "(or through the router's cancel)")
+      effect="the room fails on the prefill at once and its metadata is dropped (upstream "
+             "skips the room); its decode is told Failed, tagged with the generation its "
+             "message carried")
 def note_metadata(kv_mgr: Any, room: int, msg: Sequence[bytes]) -> None:
     """Prefill bootstrap thread, when decode metadata for ``room`` arrives (``msg``: room,
     endpoint, port, ... as upstream's ``TransferInfo.from_zmq`` reads it): remember the
     generation that endpoint sent (or that it sent none: a metadata message always replaces
     what the endpoint sent for the room before)."""
+    _record_generation(kv_mgr, int(room), msg)
+    for listener in METADATA_NOTED:
+        listener(kv_mgr, int(room))
+
+
+def _record_generation(kv_mgr: Any, room: int, msg: Sequence[bytes]) -> None:
+    """:func:`note_metadata`'s record step: the generation ``msg``'s endpoint sent for
+    ``room`` replaces what it sent before (a replaced one is kept as retired)."""
     endpoint, port = _text(msg[1]), int(_text(msg[2]))
     carried = frame_generation(msg)
     state = _prefill_rooms(kv_mgr)
@@ -671,8 +690,6 @@ def note_metadata(kv_mgr: Any, room: int, msg: Sequence[bytes]) -> None:
             retired = state.retired.setdefault(int(room), {})
             old = retired.get((endpoint, port), ())
             retired[(endpoint, port)] = (old + (previous,))[-RETIRED_PER_TARGET:]
-    for listener in METADATA_NOTED:
-        listener(kv_mgr, int(room))
 
 
 def room_has_generations(kv_mgr: Any, room: int) -> bool:

@@ -13,8 +13,10 @@ reaches this prefill, and keeps it until a sender for the room is cleared. Two f
 **Rule.** A room's metadata that no sender of this prefill claims within
 ``SGLANG_PDSAFE_UNCLAIMED_ROOM_TIMEOUT_S`` (default 60 s; a sender is created when the room's
 request enters this prefill's scheduler, normally milliseconds after the decode's metadata) is
-*dropped*: its page addresses are forgotten, the room is remembered as refused (a sender opened
-for it later fails at once, :mod:`peer_release`), and every decode endpoint that sent it is
+*dropped*: its page addresses are forgotten, the room is remembered as refused for one more
+timeout (a sender opened for it meanwhile, the late request itself, fails at once,
+:mod:`peer_release`; after that the room is free for a new request of a client that reuses
+room numbers, whose decode sends new metadata), and every decode endpoint that sent it is
 answered ``Failed`` with the reason, so the decode's client gets an explicit error (HTTP 400:
 the request never reached the prefill; send it through the router, or to both legs) and the
 decode releases the reservation. At most ``SGLANG_PDSAFE_UNCLAIMED_ROOM_LIMIT`` rooms (default
@@ -26,7 +28,10 @@ page addresses is this prefill (the decode sends them to the prefill ranks its b
 server named, and to nobody else). Dropping the room here removes them from
 ``transfer_infos`` before the decode is told, no sender owns the room at that moment (a claimed
 room is never dropped), and a sender opened for the room afterwards fails at once without
-reading them (peer release's refused-room record). So no write can ever target those pages,
+reading them (peer release's refused-room record). A sender opened after the record expired
+finds no page addresses of the dropped reservation either (they were forgotten, not kept
+for it): it waits for metadata of a new reservation of the room, or fails at upstream's
+bootstrap timeout. So no write can ever target those pages,
 and the decode's usual failure path (ABORT, the drain ACK this prefill answers at once) frees
 them. A room that was claimed is never dropped here: its transfer runs under upstream's and
 the other protections' rules.
@@ -213,7 +218,10 @@ def _drop(kv_mgr: Any, room: int, why: str, counter: str) -> None:
                        "%s and told its decode: %s (%d similar suppressed; all counted in "
                        "%s)", room, why, suppressed, metrics.PREFIX + counter.removesuffix(
                            "_total"))
-    peer_release.prefill_rejected(kv_mgr, room, why, status=STATUS)
+    # Remembered for one more timeout, not peer release's default (600 s): the refusal's job
+    # is to fail the dropped room's own late request at once; a room number reused by its
+    # client for a new request afterwards must be served (its decode sends new metadata).
+    peer_release.prefill_rejected(kv_mgr, room, why, status=STATUS, ttl_s=timeout_s())
 
 
 def _note_failed(failure: policy.Failure) -> None:
