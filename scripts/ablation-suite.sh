@@ -64,6 +64,7 @@ ROWS=(
   "control-mac-unit|0030|test/unit/test_control_mac.py"
   "sample-rooms-unit|0031|test/unit/test_sample_rooms.py"
   "aux-buffers-startup-unit|0033|test/unit/test_aux_buffers_startup.py"
+  "mori-generation-unit|0034|test/unit/test_mori_control_messages.py"
   "operator-release|0028|test/pd/test_late_write.py -k operator"
 )
 

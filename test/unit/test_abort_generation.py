@@ -26,7 +26,10 @@ from sglang.pdsafe import transfer_generation as tg
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from . import test_transfer_generation as tgt
-from .test_transfer_generation import _env  # noqa: F401 - the same autouse environment
+from .test_transfer_generation import (  # noqa: F401 - the same autouse environment
+    _env,
+    _mori_engine_desc,
+)
 
 BACKENDS = tgt.BACKENDS
 WATCHED = (tg.STALE_ABORT, tg.STALE_ABORT_ACK, tg.STALE_STATUS, tg.FAILED,

@@ -52,8 +52,14 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from . import test_kv_integrity_wiring as kvw
 from . import test_page_generation as pg
 from . import test_peer_capability as cap
+from .test_peer_capability import _mori_engine_desc  # noqa: F401 - autouse: MORI's real parsers
 
+#: MORI runs these tests too, from test/unit/test_mori_control_messages.py (named by the patch
+#: that wires it, 0034, so the earlier prefixes of the series do not run them).
 BACKENDS = ["mooncake", "nixl"]
+#: Backends with a staging path (CHUNK_READY) and with a TCP aux-data path.
+STAGING_BACKENDS = ("mooncake", "nixl")
+TCP_AUX_BACKENDS = ("mooncake", "mori")
 HOST = "127.0.0.1"
 PREFILL_PORT = cap.PREFILL_RANKS[0]["rank_port"]  # the prefill rank the tests talk to
 PREFILL_RANK = 1  # its unique rank (attn_tp_rank 1): every status it sends names it
@@ -95,6 +101,8 @@ def _upstream_status(backend: str, room: int, status: KVPoll, reason: str | None
     head = [str(room).encode(), str(int(status)).encode(), str(PREFILL_RANK).encode()]
     if backend == "nixl":
         return [b"KV_STATUS", *head, (reason or "").encode()]
+    if backend == "mori":  # tagged with its guard, always with a reason frame
+        return [b"MoriMsgGuard", *head, (reason or "").encode()]
     return head + ([(reason or "").encode()] if reason_frame else [])
 
 
@@ -102,7 +110,18 @@ def _receiver_cls(backend: str) -> type:
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
     from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
 
+    if backend == "mori":
+        return _mori_module().MoriKVReceiver
     return {"mooncake": MooncakeKVReceiver, "nixl": NixlKVReceiver}[backend]
+
+
+def _mori_module() -> Any:
+    """MORI's conn module (imported with the mori package's stand-ins: ROCm only)."""
+    import sys
+
+    from pdsafe_testkit.backends import import_mori_manager
+
+    return sys.modules[import_mori_manager().__module__]
 
 
 def _sender(prefill: _Prefill, room: int) -> Any:
@@ -110,7 +129,8 @@ def _sender(prefill: _Prefill, room: int) -> Any:
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
     from sglang.srt.disaggregation.nixl.conn import NixlKVSender
 
-    s = object.__new__({"mooncake": MooncakeKVSender, "nixl": NixlKVSender}[prefill.backend])
+    s = object.__new__({"mooncake": MooncakeKVSender, "nixl": NixlKVSender,
+                        "mori": _mori_module().MoriKVSender}[prefill.backend])
     s.kv_mgr, s.bootstrap_room, s.conclude_state = prefill.m, room, None
     s._owns_bootstrap_room = True
     return s
@@ -118,7 +138,8 @@ def _sender(prefill: _Prefill, room: int) -> Any:
 
 def _deliver(monkeypatch, kv: Any, frames: list[list[bytes]]) -> None:
     """Run the backend's real decode control loop of ``kv`` over ``frames``, in this thread."""
-    start = getattr(kv, "start_decode_thread", None) or kv._start_decode_listener_thread
+    start = (getattr(kv, "start_decode_thread", None)
+             or getattr(kv, "_start_decode_listener_thread", None) or kv._start_decode_thread)
     cap._run_control_loop(monkeypatch, kv, start, frames)
 
 
@@ -330,8 +351,9 @@ def test_a_prefill_without_this_wire_version_gets_upstreams_metadata_and_nothing
     arrived: list[tuple] = []
     rank.kv._staging_handler = SimpleNamespace(
         handle_chunk_arrived=lambda *a: arrived.append(a))
-    frames = [[b"CHUNK_READY", str(room).encode(), b"0", b"0", b"2", b"w0", b"1"]]
-    if backend == "mooncake":
+    frames = [[b"CHUNK_READY", str(room).encode(), b"0", b"0", b"2", b"w0", b"1"]] \
+        if backend in STAGING_BACKENDS else []
+    if backend in TCP_AUX_BACKENDS:
         frames.append([b"AUX_DATA", str(room).encode(), b"0", str(slot).encode(),
                        AUX_LEN.to_bytes(4, "big"), bytes(range(100, 100 + AUX_LEN))])
     frames.append(_upstream_status(backend, room, KVPoll.Success))
@@ -339,8 +361,8 @@ def test_a_prefill_without_this_wire_version_gets_upstreams_metadata_and_nothing
         kind = {b"CHUNK_READY": "chunk_ready", b"AUX_DATA": "aux_data"}.get(f[0], "kv_status")
         assert rank.kv.pdsafe_drops_stale_message(kind, f) is False, f
     _deliver(monkeypatch, rank.kv, frames)
-    assert arrived == [(room, 0, 0, 2, "w0")]
-    if backend == "mooncake":
+    assert arrived == ([(room, 0, 0, 2, "w0")] if backend in STAGING_BACKENDS else [])
+    if backend in TCP_AUX_BACKENDS:
         assert rank.aux[slot].tolist() == list(range(100, 100 + AUX_LEN))
     assert rank.kv.request_status[room] == KVPoll.Success
     assert _delta(before) == {}
@@ -466,7 +488,7 @@ def test_prefill_tags_each_status_with_the_generation_that_endpoint_sent(monkeyp
     assert [ep for ep, _ in prefill.sent] == [a.tcp, b.tcp, c.tcp, d.tcp] * 3
     assert _delta(before) == {}
 
-    nixl = backend == "nixl"
+    nixl = backend in ("nixl", "mori")  # their status always carries a reason frame
     for rank, g in ((a, ga), (b, gb), (c, None), (d, None)):
         success, failed, refused = prefill.take(rank)
         up_success = _upstream_status(backend, room, KVPoll.Success)
@@ -560,23 +582,46 @@ def test_decode_drops_a_status_without_the_live_generation_until_the_receiver_is
         "a Failed notice changes no page: upstream's handling (it drops a cleared room's)"
 
 
-def test_mooncake_aux_data_needs_the_generation_and_the_reservations_slot(monkeypatch):
+def _send_aux_tcp(prefill: _Prefill, room: int, info: Any, src_slot: int) -> None:
+    """The backend's real TCP aux send of prefill slot ``src_slot`` for ``info``'s decode."""
+    if prefill.backend == "mori":
+        # MORI sends on a socket of its own cache (not _send_multipart_locked): record it.
+        prefill.m._connect_threadsafe = lambda ep, is_ipv6=False: SimpleNamespace(
+            send_multipart=lambda parts: prefill.sent.append((ep, list(parts))))
+        peer = SimpleNamespace(endpoint=info.endpoint, dst_port=info.dst_port,
+                               dst_aux_mem_descs=[object()])
+        assert prefill.m.send_aux_tcp(peer, src_slot, info.dst_aux_index, room) == []
+    else:
+        assert prefill.m.send_aux_tcp(info, prefill_aux_index=src_slot, dst_aux_ptrs=[0]) == 0
+
+
+def _send_aux_data(prefill: _Prefill, port: int, room: int, slot: int, data: bytes) -> None:
+    """The backend's real single aux-data message to the decode control port ``port``."""
+    if prefill.backend == "mori":
+        prefill.m._send_aux_data_to_endpoint(HOST, port, room, 0, slot, data)
+    else:
+        prefill.m.send_aux_data_to_endpoint(HOST, port, room, 0, slot, data)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in TCP_AUX_BACKENDS])
+def test_tcp_aux_data_needs_the_generation_and_the_reservations_slot(monkeypatch, backend):
     """Through the real decode loop into a real aux buffer: only the prefill's aux data with
     the room's generation and the reservation's own slot is written; a stale generation, none,
-    another slot, or a room this decode holds no reservation of write nothing."""
+    another slot, or a room this decode holds no reservation of write nothing. MORI sends its
+    aux data on its own sockets (patch 0034 tags and signs it there)."""
     room = _room()
-    rank, dreq, prefill = _served(monkeypatch, "mooncake", room)
+    rank, dreq, prefill = _served(monkeypatch, backend, room)
     g, slot = dreq.kv_receiver.pdsafe_transfer_generation(), dreq.metadata_buffer_index
     other_slot = (slot + 1) % len(rank.aux)
     info = next(iter(prefill.m.transfer_infos[room].values()))
     assert info.dst_aux_index == slot
-    assert prefill.m.send_aux_tcp(info, prefill_aux_index=3, dst_aux_ptrs=[0]) == 0
+    _send_aux_tcp(prefill, room, info, 3)
     (aux,) = prefill.take(rank)
     assert aux[0] == b"AUX_DATA" and aux[3] == str(slot).encode() and aux[-1] == _gen(g)
     assert aux[5] == bytes(prefill.aux[3])
     data = bytes(range(200, 200 + AUX_LEN))
-    prefill.m.send_aux_data_to_endpoint(HOST, rank.kv.rank_port, room, 0, other_slot, data)
-    prefill.m.send_aux_data_to_endpoint(HOST, rank.kv.rank_port, room + 1, 0, slot, data)
+    _send_aux_data(prefill, rank.kv.rank_port, room, other_slot, data)
+    _send_aux_data(prefill, rank.kv.rank_port, room + 1, slot, data)
     wrong_slot, unknown_room = prefill.take(rank)
     assert wrong_slot[-1] == _gen(g), "the prefill's own generation: only the slot is wrong"
     stale = {"another generation": aux[:-1] + [_gen(g + 1)], "none": aux[:-1],
@@ -592,7 +637,7 @@ def test_mooncake_aux_data_needs_the_generation_and_the_reservations_slot(monkey
     assert _delta(before) == {tg.STALE_AUX: len(stale)}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in STAGING_BACKENDS])
 def test_a_stale_chunk_ready_never_reaches_the_staging_handler(monkeypatch, backend):
     room = _room()
     rank, dreq, prefill = _served(monkeypatch, backend, room)
@@ -767,11 +812,12 @@ def test_a_failed_notice_before_the_metadata_went_out_is_dropped(monkeypatch, ba
     assert _delta(before) == {tg.STALE_STATUS: 3}
 
 
-def test_mooncake_late_aux_before_the_new_reservation_is_minted_writes_nothing(monkeypatch):
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in TCP_AUX_BACKENDS])
+def test_late_aux_before_the_new_reservation_is_minted_writes_nothing(monkeypatch, backend):
     room = _room()
-    rank, first, prefill = _served(monkeypatch, "mooncake", room)
+    rank, first, prefill = _served(monkeypatch, backend, room)
     info = next(iter(prefill.m.transfer_infos[room].values()))
-    prefill.m.send_aux_tcp(info, prefill_aux_index=3, dst_aux_ptrs=[0])
+    _send_aux_tcp(prefill, room, info, 3)
     (aux,) = prefill.take(rank)
     rank.release(first)
     rank.receiver(room)  # the next request of the room, still bootstrapping

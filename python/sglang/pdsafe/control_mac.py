@@ -146,11 +146,14 @@ _PERSON = b"pdsafe-mac1"
 _ID_PERSON = b"pdsafe-keyid"
 _LABEL = b"sglang-pdsafe control message MAC key v1\0"
 # Upstream's first frames (literals of upstream 0.5.23; test_control_mac checks them against
-# the installed modules): Mooncake's TCP aux data, staging chunk-ready, NIXL's message guard,
-# and the prefill messages this module does not sign.
+# the installed modules): Mooncake's TCP aux data, staging chunk-ready, NIXL's and MORI's
+# message guards, and the prefill messages this module does not sign.
 _AUX = b"AUX_DATA"
 _CHUNK_READY = b"CHUNK_READY"
 _NIXL_GUARD = b"NixlMsgGuard"
+_MORI_GUARD = b"MoriMsgGuard"
+#: A leading frame some backends put before the room of a prefill-bound message.
+_GUARDS = frozenset({_NIXL_GUARD, _MORI_GUARD})
 _ANNOUNCE = b"PDSAFE_PEER"
 _ABORT = b"ABORT"
 _ABORT_ACK = b"ABORT_ACK"
@@ -465,7 +468,7 @@ def sealed_for_prefill(kv_mgr: Any, room: Any, bootstrap_addr: str,
         transfer_generation.note_bootstrap_sent(kv_mgr, room)
     ks = _keys_of(kv_mgr)
     if not ks or not kv_mgr.pdsafe_transfer_generation_wired:
-        return message  # MORI: its prefill does not check (nor expect) the frame
+        return message  # a backend whose prefill does not check (nor expect) the frame
     if pair_settings.prefill_wire_version(kv_mgr, bootstrap_addr) != pair_settings.WIRE_VERSION:
         return message
     theirs = pair_settings.prefill_control_key(kv_mgr, bootstrap_addr)
@@ -501,7 +504,7 @@ def prefill_kind(msg: Sequence[Any]) -> str:
         return "bootstrap"
     if frames[0] in _STAGING:
         return "staging"
-    room = frames[1] if frames[0] == _NIXL_GUARD and len(frames) > 1 else frames[0]
+    room = frames[1] if frames[0] in _GUARDS and len(frames) > 1 else frames[0]
     return "registration" if room == b"None" else "transfer_info"
 
 
@@ -518,10 +521,10 @@ def _drop(kind: str, counter: str, why: str) -> None:
 
 
 def _unguarded(msg: Sequence[Any]) -> list[Any]:
-    """A prefill-bound message without its MAC frame and NIXL's leading guard frame: the
-    frames upstream's parsers index (room first)."""
+    """A prefill-bound message without its MAC frame and NIXL's or MORI's leading guard
+    frame: the frames upstream's parsers index (room first)."""
     frames = list(split(msg)[0])
-    return frames[1:] if frames and bytes(frames[0]) == _NIXL_GUARD else frames
+    return frames[1:] if frames and bytes(frames[0]) in _GUARDS else frames
 
 
 def _room_of(kv_mgr: Any, msg: Sequence[Any], side: str) -> int | None:

@@ -316,7 +316,8 @@ COUNTERS: dict[str, str] = {
 GAUGES: dict[str, str] = {
     "transfer_generation_unwired":
         "1 while this PD server runs on a transfer backend whose messages carry no transfer "
-        "generation (MORI), under SGLANG_PDSAFE_WAIVE_UNWIRED_GENERATION=1, else 0.",
+        "generation (none in this release), under SGLANG_PDSAFE_WAIVE_UNWIRED_GENERATION=1, "
+        "else 0.",
     "transfer_generation_unkeyed":
         "1 while this decode mints unkeyed transfer generations (no launcher prepared a key "
         "and no cluster key is configured: forgeable by someone who can guess a "

@@ -30,8 +30,8 @@ anything here reads the message):
 * decode -> prefill, the receiver metadata (``TransferInfo``) for each prefill rank: sent only
   to a prefill that published this release's wire version (``pair_agreement``; a stock
   prefill or another release never sees it), and only on backends whose managers carry it
-  back (``pdsafe_transfer_generation_wired``: Mooncake, Ascend through Mooncake, NIXL; not
-  MORI);
+  back (``pdsafe_transfer_generation_wired``: Mooncake, Ascend through Mooncake, NIXL, MORI
+  through patch 0034);
 * prefill -> decode, every message for that decode endpoint: KV status (bootstrap readiness,
   Success, Failed, peer-release and refusal notices), TCP aux data (Mooncake
   ``SGLANG_MOONCAKE_SEND_AUX_TCP``) and staging ``CHUNK_READY``, each with the generation that
@@ -162,8 +162,10 @@ _KV_MANAGER = "sglang.srt.disaggregation.common.conn.CommonKVManager"
 _RECEIVER = "sglang.srt.disaggregation.common.conn.CommonKVReceiver"
 
 #: Transfer backends whose managers do not carry the generation back to the decode
-#: (``pdsafe_transfer_generation_wired`` is False there): MORI.
-UNWIRED_BACKENDS = frozenset({"mori"})
+#: (``pdsafe_transfer_generation_wired`` is False there): none since patch 0034 wired MORI.
+#: A backend upstream adds is unclassified until listed here or wired
+#: (test/unit/test_support_matrix.py checks every backend's manager class against this).
+UNWIRED_BACKENDS: frozenset[str] = frozenset()
 #: ``1``: serve a PD server on such a backend anyway (warned, gauge :data:`UNWIRED_GAUGE`).
 ENV_WAIVE_UNWIRED = "SGLANG_PDSAFE_WAIVE_UNWIRED_GENERATION"
 UNWIRED_GAUGE = "transfer_generation_unwired"
@@ -177,8 +179,31 @@ def unwired_waived() -> bool:
     return os.environ.get(ENV_WAIVE_UNWIRED, "").strip().lower() in ("1", "true", "on", "yes")
 
 
+def _class_unwired(backend: str) -> bool:
+    """The backend's KV manager class, as installed, says its messages do not carry the
+    generation (``pdsafe_transfer_generation_wired`` False: a tree without the patch that wires
+    it, or a backend upstream added). False when upstream's ``get_kv_class`` cannot import the
+    class here: such a server cannot run that backend either (upstream fails at the same
+    import), and the fake backend is refused by its own check."""
+    if backend in ("", "fake"):
+        return False
+    try:
+        from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+        cls = get_kv_class(TransferBackend(backend), KVClassType.MANAGER)
+    except Exception:  # noqa: BLE001 - not importable here: the server cannot start on it
+        return False
+    return not getattr(cls, "pdsafe_transfer_generation_wired", False)
+
+
+def unwired(backend: str) -> bool:
+    """A PD server on ``backend`` would run without the transfer generation: listed in
+    :data:`UNWIRED_BACKENDS`, or its installed manager class says so."""
+    return backend in UNWIRED_BACKENDS or _class_unwired(backend)
+
+
 def _switched_off(args: Any) -> str | None:
-    if _backend(args) in UNWIRED_BACKENDS and unwired_waived():
+    if unwired(_backend(args)) and unwired_waived():
         return f"{ENV_WAIVE_UNWIRED}=1 on the {_backend(args)} transfer backend"
     return None
 
@@ -197,13 +222,13 @@ class UnwiredGenerationError(policy.StartupRefusedError):
 
 def check_backend(server_args: Any) -> None:
     """Startup (both legs, launcher and scheduler): a PD server on a backend whose messages
-    do not carry the transfer generation (:data:`UNWIRED_BACKENDS`) refuses to start, unless
+    do not carry the transfer generation (:func:`unwired`) refuses to start, unless
     :data:`ENV_WAIVE_UNWIRED` waives it (then a warning and :data:`UNWIRED_GAUGE` = 1). Without
     the generation its KV digest and coverage rows bind generation 0, so a stale row of the
     same room and token range (an earlier reservation's late write) would verify: that check
     cannot be made there, so the fork does not pretend it is."""
     backend = _backend(server_args)
-    if backend not in UNWIRED_BACKENDS:
+    if not unwired(backend):
         metrics.set_gauge(UNWIRED_GAUGE, 0)
         return
     if not unwired_waived():
