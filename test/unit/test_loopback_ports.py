@@ -51,3 +51,25 @@ def test_bind_conflict_recognises_the_uvicorn_line_for_our_port_only() -> None:
     assert ports.bind_conflict(UVICORN_LINE, {18000}) is None
     assert ports.bind_conflict("Mooncake: bind 15132 failed: Address already in use",
                                {15132}) is not None
+
+
+@pytest.mark.parametrize("tail,spurious", [
+    ("", True), ("Traceback (most recent call last):\nRuntimeError: boom", False),
+    ("The server is fired up and ready to roll!", False)])
+def test_only_the_grpc_epoll_exit_at_startup_counts_as_spurious(tmp_path, tail, spurious):
+    """A server process that exits at startup leaving gRPC's epoll line alone is started again
+    (``wait_server``, once); one that left a traceback, or had come up, is a real failure."""
+    import os
+    import sys
+
+    from pdsafe_testkit import servers
+
+    line = f"E1207 11:31:19.333513 27513 ev_epoll1_linux.cc:373] {servers.SPURIOUS_EXIT}"
+    proc = servers.ManagedProcess(
+        "fake", [sys.executable, "-c", f"print({line!r}); print({tail!r})"], dict(os.environ),
+        tmp_path / "fake.log")
+    proc.start()
+    proc.proc.wait(timeout=30)
+    with pytest.raises(servers.StartupError) as e:
+        servers.wait_healthy(proc, "http://127.0.0.1:9", timeout=30)
+    assert isinstance(e.value, servers.DiedSpuriously) is spurious

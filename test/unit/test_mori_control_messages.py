@@ -25,7 +25,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from sglang.pdsafe import metrics, transfer_generation
+from sglang.pdsafe import metrics, startup, transfer_generation
 
 from . import test_abort_generation as tab
 from . import test_control_mac as tcm
@@ -80,9 +80,11 @@ def test_on_mori(fn, kwargs, request) -> None:
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_a_pd_server_on_mori_starts_and_an_unwired_manager_class_is_refused(mode, monkeypatch):
-    """The startup check reads the installed manager class (upstream's ``get_kv_class``): MORI,
-    wired by 0034, starts; a tree whose MORI manager is not wired (0034 reverted) is refused
-    from the class alone, without anyone listing the backend."""
+    """The scheduler's startup check reads the installed manager class (upstream's
+    ``get_kv_class``): MORI, wired by 0034, starts; a tree whose MORI manager is not wired (0034
+    reverted) is refused from the class alone, without anyone listing the backend. The
+    launcher's check does not import backend classes (a launcher that did broke its
+    scheduler's start)."""
     from types import SimpleNamespace
 
     from pdsafe_testkit.backends import import_mori_manager
@@ -91,9 +93,12 @@ def test_a_pd_server_on_mori_starts_and_an_unwired_manager_class_is_refused(mode
     mori = import_mori_manager()
     args = SimpleNamespace(disaggregation_mode=mode, disaggregation_transfer_backend="mori")
     assert "mori" not in transfer_generation.UNWIRED_BACKENDS
-    transfer_generation.check_backend(args)
+    transfer_generation.check_backend(args, read_class=True)
     assert metrics.value(transfer_generation.UNWIRED_GAUGE) == 0
     monkeypatch.setattr(mori, "pdsafe_transfer_generation_wired", False)
     with pytest.raises(transfer_generation.UnwiredGenerationError,
                        match="does not carry the transfer generation"):
-        transfer_generation.check_backend(args)
+        transfer_generation.check_backend(args, read_class=True)
+    with pytest.raises(transfer_generation.UnwiredGenerationError):
+        startup.scheduler_starting(args)  # the scheduler reads the class
+    transfer_generation.check_backend(args)  # the launcher does not (it must not import it)

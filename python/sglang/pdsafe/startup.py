@@ -166,7 +166,7 @@ def scheduler_starting(server_args: Any) -> None:
     """Scheduler side (``Scheduler.__init__``, every entry point): the same checks; the
     report too when no launcher ran :func:`launching` (smg gRPC; ``--use-ray`` actors that
     did not inherit the launcher's state directory)."""
-    _checks(server_args)
+    _checks(server_args, in_scheduler=True)
     if is_pd(server_args) and pd_mode(server_args) == "prefill":
         from sglang.pdsafe import bootstrap_auth
 
@@ -186,7 +186,7 @@ def scheduler_starting(server_args: Any) -> None:
         report(server_args)
 
 
-def _checks(server_args: Any) -> None:
+def _checks(server_args: Any, *, in_scheduler: bool = False) -> None:
     for name in HOOK_MODULES:  # registers every protection and hook, and their API needs
         importlib.import_module(name)
     hook_api.self_check(server_args, modules=HOOK_MODULES)
@@ -194,7 +194,9 @@ def _checks(server_args: Any) -> None:
         check_fake_transfer(server_args)
         from sglang.pdsafe import transfer_generation
 
-        transfer_generation.check_backend(server_args)  # MORI: no generation, no start
+        # A backend without the generation does not start; the scheduler also reads its
+        # manager class (it imports it anyway; the launcher must not, before it forks).
+        transfer_generation.check_backend(server_args, read_class=in_scheduler)
         if pd_mode(server_args) == "prefill":
             from sglang.pdsafe import unclaimed_rooms
 

@@ -196,14 +196,16 @@ def _class_unwired(backend: str) -> bool:
     return not getattr(cls, "pdsafe_transfer_generation_wired", False)
 
 
-def unwired(backend: str) -> bool:
+def unwired(backend: str, *, read_class: bool = False) -> bool:
     """A PD server on ``backend`` would run without the transfer generation: listed in
-    :data:`UNWIRED_BACKENDS`, or its installed manager class says so."""
-    return backend in UNWIRED_BACKENDS or _class_unwired(backend)
+    :data:`UNWIRED_BACKENDS`, or (``read_class``: only in a scheduler process, which imports
+    that class anyway; a launcher that imported it before forking its scheduler broke the
+    scheduler's start, CI of 438b319) its installed manager class says so."""
+    return backend in UNWIRED_BACKENDS or (read_class and _class_unwired(backend))
 
 
 def _switched_off(args: Any) -> str | None:
-    if unwired(_backend(args)) and unwired_waived():
+    if unwired_waived() and unwired(_backend(args)):
         return f"{ENV_WAIVE_UNWIRED}=1 on the {_backend(args)} transfer backend"
     return None
 
@@ -220,15 +222,16 @@ class UnwiredGenerationError(policy.StartupRefusedError):
     """A PD server on a transfer backend that does not carry the generation (no waiver)."""
 
 
-def check_backend(server_args: Any) -> None:
+def check_backend(server_args: Any, *, read_class: bool = False) -> None:
     """Startup (both legs, launcher and scheduler): a PD server on a backend whose messages
-    do not carry the transfer generation (:func:`unwired`) refuses to start, unless
+    do not carry the transfer generation (:func:`unwired`; the manager class is read only with
+    ``read_class``, in the scheduler) refuses to start, unless
     :data:`ENV_WAIVE_UNWIRED` waives it (then a warning and :data:`UNWIRED_GAUGE` = 1). Without
     the generation its KV digest and coverage rows bind generation 0, so a stale row of the
     same room and token range (an earlier reservation's late write) would verify: that check
     cannot be made there, so the fork does not pretend it is."""
     backend = _backend(server_args)
-    if not unwired(backend):
+    if not unwired(backend, read_class=read_class):
         metrics.set_gauge(UNWIRED_GAUGE, 0)
         return
     if not unwired_waived():
