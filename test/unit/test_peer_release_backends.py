@@ -222,3 +222,37 @@ def test_fail_room_is_not_reentered_for_the_room_it_is_failing(backend):
     assert recorded == [room], f"the room was failed {len(recorded)} times"
     assert len(sent) == 1, f"{backend}: the decode was told {len(sent)} times"
     assert policy.poisoned() is None
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_a_failing_metadata_check_fails_prefill_rooms_only(backend, tmp_path):
+    """``peer_release.on_metadata_complete`` failing at its entry (hook-failure suite,
+    2026-12-07). ``update_status(room, WaitingForInput)`` runs on both legs and the check is
+    prefill-only: a decode's room goes on as upstream's (failing it there left its prefill leg
+    waiting for its timeout); a prefill's room fails at once, never bootstrapped."""
+    from pdsafe_testkit.hook_fail import Control, HookFail
+    from sglang.pdsafe import policy
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    hook = "peer_release.on_metadata_complete"
+    hf = HookFail(tmp_path / "control.json", "unit")
+    try:
+        hf.install([hook], poller=False)
+        Control(seq=1, armed={hook: "entry"}).write(hf.control_path)
+        hf.poll()
+        decode, _ = _prefill_manager(_backend_managers()[backend])
+        decode.disaggregation_mode = DisaggregationMode.DECODE
+        prefill, _ = _prefill_manager(_backend_managers()[backend])
+        room = random.randrange(1 << 62)
+        for m in (decode, prefill):
+            m.update_status(room, KVPoll.Bootstrapping)
+            m.update_status(room, KVPoll.WaitingForInput)
+        assert hf.injected == {hook: 2}
+    finally:
+        hf.uninstall()
+        policy.reset_for_tests()
+    assert decode.request_status[room] == KVPoll.WaitingForInput
+    assert room not in decode.failure_records
+    assert prefill.request_status[room] == KVPoll.Failed
+    assert "could not check whether it refused the room" in prefill.failure_records[room]

@@ -626,3 +626,50 @@ def test_fence_fan_out_is_every_transfer_queue():
     m._deferred_ack_poisoned_rooms = {ROOM + 1}
     assert m.pdsafe_room_in_flight(ROOM) == (1, False)
     assert m.pdsafe_room_in_flight(ROOM + 1) == (0, True)
+
+
+def _failing(tmp_path: Any, hook: str) -> Any:
+    """The test-only ``hook_fail`` shim with ``hook`` failing at its entry (every call)."""
+    from pdsafe_testkit.hook_fail import Control, HookFail
+
+    hf = HookFail(tmp_path / "control.json", "unit")
+    hf.install([hook], poller=False)
+    Control(seq=1, armed={hook: "entry"}).write(hf.control_path)
+    hf.poll()
+    return hf
+
+
+def test_a_failing_deferred_hook_holds_only_what_a_lease_would_have_taken(setup, tmp_path):
+    """``source_lease.deferred`` failing at its entry (hook-failure suite, 2026-12-07): a
+    request no release of a failed transfer armed (a clean success) is freed by upstream as
+    before; a failed transfer's pages are held for good, once, never freed. Holding every
+    released request instead left finished decode rows outside upstream's accounting (its
+    pool check stopped the decode: a page both free and in use)."""
+    from sglang.pdsafe import policy
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    m, pools, sched = setup
+    hf = _failing(tmp_path, "source_lease.deferred")
+    try:
+        clean = pools.request(m)
+        sched.disagg_prefill_inflight_queue.append(clean)
+        m.update_status(ROOM, KVPoll.Success)
+        assert sched.run() == [clean]
+        assert pools.free() == TOTAL and not clean.kv.holds_kv, "a clean success was held"
+        assert clean.kv not in transfer.held_rows()
+
+        m.request_status.pop(ROOM, None)
+        failed = pools.request(m)
+        sched.disagg_prefill_inflight_queue.append(failed)
+        _fail_room(m)
+        held0 = metrics.value("rows_held_for_good_total")
+        sched.run()
+        for _ in range(2):
+            sched.run()
+        assert pools.free() == TOTAL - TOKENS and failed.kv.holds_kv
+        assert failed.kv in transfer.held_rows()
+        assert metrics.value("rows_held_for_good_total") == held0 + 1, "held more than once"
+        assert hf.injected.get("source_lease.deferred", 0) >= 2
+    finally:
+        hf.uninstall()
+        policy.reset_for_tests()

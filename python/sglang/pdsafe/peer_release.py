@@ -328,9 +328,14 @@ def duplicate_released(kv_mgr: Any, room: int, reason: str, status: int) -> None
 
 
 def _metadata_failed(failure: policy.Failure) -> bool:
-    """The check could not run: the room is not bootstrapped (no sender may serve it
-    unchecked) and fails here; the decode is told Failed through upstream's path."""
+    """The check could not run: on a prefill, the room is not bootstrapped (no sender may
+    serve it unchecked) and fails here; the decode is told Failed through upstream's path.
+    A decode's room (``update_status`` runs there too; the check is prefill-only, its first
+    step, repeated here) is left to upstream: failing it there on a check that does not apply
+    left the prefill leg waiting for its timeout (hook-failure suite, 2026-12-07)."""
     kv_mgr, room = failure.args[0], failure.args[1]
+    if not _is_prefill(kv_mgr):
+        return False
     transfer.fail_room(kv_mgr, room, failure.refusal(
         503, "the KV transfer (this prefill could not check whether it refused the room)"))
     return True

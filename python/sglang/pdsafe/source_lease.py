@@ -352,12 +352,22 @@ def draining(kv_mgr: Any, req: Any) -> _Draining:
 
 
 def _deferred_failed(failure: Any) -> bool:
-    """Taking the pages over could not run: they are held for good (the caller frees
-    nothing)."""
+    """Taking the pages over could not run: an armed request's pages are held for good (the
+    caller frees nothing), once. A request no :func:`draining` armed is not under a lease
+    (the hook's first step, a dict lookup, repeated here): upstream frees it as it would have.
+    Holding every released request's pages instead (the hook-failure suite's
+    ``source_lease.deferred`` case, 2026-12-07) put finished decode requests' rows outside
+    upstream's accounting: its pool check found a page both free and in use and stopped the
+    decode."""
     req = failure.args[0]
     armed = _ARMED.get(id(req))
-    _hold_for_good(armed.kv_mgr if armed else None, req,
-                   f"the {failure.spec.name} hook failed")
+    if armed is None or armed.req is not req:
+        return False
+    rec = transfer.of(req)
+    if rec is not None and isinstance(rec.hold, Lease) \
+            and rec.state in (State.HELD, State.LEAKED):
+        return True  # already held: a second release inside the same call frees nothing
+    _hold_for_good(armed.kv_mgr, req, f"the {failure.spec.name} hook failed")
     return True
 
 
