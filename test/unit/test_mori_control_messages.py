@@ -37,13 +37,17 @@ from .test_transfer_generation import _env, _mori_engine_desc  # noqa: F401
 NOT_ON_MORI = {"test_a_stale_chunk_ready_never_reaches_the_staging_handler"}
 
 
+def _backend_tests(module: ModuleType) -> list[tuple[str, Any]]:
+    """(name, function) of every test of ``module`` that takes a ``backend`` and applies to
+    MORI."""
+    return [(name, fn) for name, fn in sorted(vars(module).items())
+            if name.startswith("test_") and callable(fn) and name not in NOT_ON_MORI
+            and "backend" in inspect.signature(fn).parameters]
+
+
 def _cases(module: ModuleType) -> Iterator[Any]:
     """One pytest param per (test of ``module`` taking ``backend``, its other parameters)."""
-    for name, fn in sorted(vars(module).items()):
-        if not name.startswith("test_") or not callable(fn) or name in NOT_ON_MORI:
-            continue
-        if "backend" not in inspect.signature(fn).parameters:
-            continue
+    for name, fn in _backend_tests(module):
         axes: list[list[tuple[str, Any, str]]] = []
         for mark in getattr(fn, "pytestmark", []):
             if mark.name != "parametrize" or mark.args[0] == "backend":
@@ -64,10 +68,8 @@ def test_every_backend_test_of_the_wiring_modules_is_run_here():
     """The list is not empty and names every backend-taking test but the excluded ones."""
     names = {p.values[0].__name__ for p in CASES}
     for module in (tgt, tab, tcm):
-        for name, fn in vars(module).items():
-            if name.startswith("test_") and callable(fn) and name not in NOT_ON_MORI and \
-                    "backend" in inspect.signature(fn).parameters:
-                assert name in names, name
+        for name, _ in _backend_tests(module):
+            assert name in names, name
     assert len(CASES) >= 40
 
 

@@ -363,12 +363,17 @@ def _deferred_failed(failure: Any) -> bool:
     armed = _ARMED.get(id(req))
     if armed is None or armed.req is not req:
         return False
-    rec = transfer.of(req)
-    if rec is not None and isinstance(rec.hold, Lease) \
-            and rec.state in (State.HELD, State.LEAKED):
-        return True  # already held: a second release inside the same call frees nothing
-    _hold_for_good(armed.kv_mgr, req, f"the {failure.spec.name} hook failed")
+    if not _already_held(req):
+        _hold_for_good(armed.kv_mgr, req, f"the {failure.spec.name} hook failed")
     return True
+
+
+def _already_held(req: Any) -> bool:
+    """``req``'s pages are held by its lease already (a second release inside the same call
+    frees nothing: they are freed once, by the lease)."""
+    rec = transfer.of(req)
+    return rec is not None and isinstance(rec.hold, Lease) \
+        and rec.state in (State.HELD, State.LEAKED)
 
 
 @hook("source_lease.deferred", outcome=Outcome.HOLD, counter=FAILED,
@@ -382,9 +387,7 @@ def deferred(req: Any, tree_cache: Any, checkpoint: bool) -> bool:
     armed = _ARMED.get(id(req))
     if armed is None or armed.req is not req:
         return False
-    rec = transfer.of(req)
-    if rec is not None and isinstance(rec.hold, Lease) \
-            and rec.state in (State.HELD, State.LEAKED):
+    if _already_held(req):
         return True
     if armed.failed:
         _hold_for_good(armed.kv_mgr, req, "arming its source lease failed")
