@@ -190,6 +190,18 @@ def _scheduler(size: int = 64) -> Any:
                            pool_stats_observer=SimpleNamespace(get_pool_stats=lambda: None))
 
 
+@pytest.fixture
+def no_held_rows() -> Any:
+    """An empty held-row table for an audit of a stand-in scheduler (rows other tests left
+    held belong to their own pools), restored afterwards."""
+    saved = transfer.held_items()
+    for key, _ in saved:
+        transfer.drop_row(key)
+    yield
+    for key, h in saved:
+        transfer.hold_row(h.row, h.pages, key=key)
+
+
 def _row(sched: Any, idx: int, n: int) -> Any:
     slots = sched.token_to_kv_pool_allocator.alloc(n)
     sched.req_to_token_pool.req_to_token[idx, :n] = slots.int()
@@ -197,30 +209,30 @@ def _row(sched: Any, idx: int, n: int) -> Any:
                            holds_kv=True), slots
 
 
-def test_a_clean_allocator_passes_the_audit():
+def test_a_clean_allocator_passes_the_audit(no_held_rows):
     sched = _scheduler()
     kv, _ = _row(sched, 1, 8)
-    transfer.hold_row(id(kv), kv)
+    key = transfer.hold_row(kv)
     try:
         result = hook_fail.audit(sched)
     finally:
-        transfer.drop_row(id(kv))
+        transfer.drop_row(key)
     assert result["ok"], result
     assert result["rows"]["held"] == 1 and result["owned_pages"] == 8
 
 
-def test_the_audit_sees_a_page_freed_twice_and_one_both_free_and_held():
+def test_the_audit_sees_a_page_freed_twice_and_one_both_free_and_held(no_held_rows):
     sched = _scheduler()
     kv, slots = _row(sched, 1, 8)
     alloc = sched.token_to_kv_pool_allocator
     alloc.free(slots[2:3])  # freed under the row (what free_reserved does) ...
-    transfer.hold_row(id(kv), kv)  # ... and the row held with it
+    key = transfer.hold_row(kv)  # ... and the row held with it
     try:
         held = hook_fail.audit(sched)
         alloc.free(slots[2:3])  # ... and freed a second time (the old release)
         twice = hook_fail.audit(sched)
     finally:
-        transfer.drop_row(id(kv))
+        transfer.drop_row(key)
     assert not held["ok"] and "1 pages both free and in use" in held["problems"][0]
     assert not twice["ok"]
     assert any("1 pages freed twice" in p for p in twice["problems"]), twice

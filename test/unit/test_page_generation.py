@@ -57,6 +57,13 @@ def _counts() -> dict[str, float]:
                                           page_generation.SKIPPED, page_generation.FAILED)}
 
 
+def _drop_held(row: object) -> None:
+    """Forget the held rows of ``row`` (what a held-for-good test leaves behind)."""
+    for key, h in transfer.held_items():
+        if h.row is row:
+            transfer.drop_row(key)
+
+
 def _delta(before: dict[str, float]) -> dict[str, float]:
     return {n: metrics.value(n) - v for n, v in before.items() if metrics.value(n) != v}
 
@@ -371,7 +378,7 @@ def test_a_failed_stamp_never_breaks_the_free_and_fails_every_later_check_closed
     released = []
     page_generation.release_request(dreq, lambda: released.append(t.skip))
     assert released == [] and kv in transfer.held_rows()
-    transfer.drop_row(id(dreq.req))
+    _drop_held(kv)
 
 
 # =========================================================================== startup
@@ -646,7 +653,7 @@ def test_failed_release_holds_the_row_detached_and_accounts_each_page_once(decod
     assert decode.alloc.available_size() + kv_private_tokens(held, PAGE) == \
         decode.alloc.size, "the pool does not add up"
     assert _delta(before) == {page_generation.FAILED: 1}
-    transfer.drop_row(id(victim))
+    _drop_held(held)
 
 
 def test_decode_without_a_reservation_is_refused(decode):
@@ -822,3 +829,29 @@ def test_source_page_freed_during_the_transfer_fails_success(prefill):
     free_pages = set(alloc.get_all_free_pages().tolist())
     assert not set(prefill.pages(other)) & free_pages, "the other request's page was freed"
     assert set(pages[1:]) <= free_pages
+
+
+def test_rows_held_for_good_stay_held_when_a_request_object_id_is_reused(monkeypatch):
+    """Each request whose release fails keeps its row held, even when a later request object
+    gets the id of an earlier, collected one (CPython reuses the memory; simulated here by one
+    id for every object this module asks about): the held-row table mints its keys. Keyed by
+    ``id(req)``, the later hold replaced the earlier one and dropped that row from the
+    accounting, and upstream's strict idle check stopped the scheduler ("req_to_token_pool
+    memory leak detected", the hook-failure suite's ``page_generation.release_source`` mid
+    case, 2026-12-07)."""
+    monkeypatch.setattr(page_generation, "id", lambda obj: 4242, raising=False)
+    rows: list[SimpleNamespace] = []
+    for i in range(3):
+        kv = SimpleNamespace(holds_kv=True)
+        req = SimpleNamespace(rid=f"reuse-{i}", bootstrap_room=ROOM, kv=kv,
+                              detach_kv=lambda kv=kv: kv)
+        with patch.object(page_generation, "_record", side_effect=RuntimeError("injected")):
+            page_generation.release_request(SimpleNamespace(req=req), lambda: None)
+        rows.append(kv)
+    try:
+        held = transfer.held_rows()
+        lost = [r for r in rows if not any(r is h for h in held)]
+        assert not lost, f"{len(lost)} of {len(rows)} rows held for good left the accounting"
+    finally:
+        for r in rows:
+            _drop_held(r)

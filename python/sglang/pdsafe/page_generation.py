@@ -719,7 +719,7 @@ def _hold_row(failure: policy.Failure) -> None:
                       f"and which of its pages moved cannot be read ({type(e).__name__}: {e}); "
                       "this server's page accounting can no longer be trusted",
                       by=failure.spec.name)
-    transfer.hold_row(id(req), held, pages)
+    transfer.hold_row(held, pages)
     metrics.inc("rows_held_for_good_total")
     logger.error("pdsafe page generation: request %s (bootstrap_room=%s) keeps its KV row "
                  "for good: its release could not check which pages are still its own, and a "

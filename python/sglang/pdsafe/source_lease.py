@@ -204,6 +204,8 @@ class Lease:
     deadline: float = math.inf
     poisoned: bool = False
     overdue: bool = False
+    #: The key of the request row's hold (``transfer.hold_row``; None: not held yet).
+    row_key: int | None = None
 
 
 class SourceLeases:
@@ -426,7 +428,7 @@ def _take(kv_mgr: Any, req: Any, tree_cache: Any, checkpoint: bool) -> bool:
     reg = of(kv_mgr)
     reg.add(rec)
     transfer.leg(kv_mgr).hold(rec)
-    transfer.hold_row(rec.seq, req.kv)
+    lease.row_key = transfer.hold_row(req.kv)
     if rec.room is not None:
         _, poisoned = kv_mgr.pdsafe_room_in_flight(rec.room)
         if (poisoned or rec.room in reg.poisoned_rooms) and not lease.poisoned:
@@ -453,7 +455,12 @@ def _hold_for_good(kv_mgr: Any, req: Any, why: str) -> None:
         if kv_mgr is not None:
             of(kv_mgr).add(rec)
             transfer.leg(kv_mgr).hold(rec)
-    transfer.hold_row(rec.seq if rec is not None else id(req), getattr(req, "kv", None))
+    lease = rec.hold if rec is not None else None
+    # The lease's row, if it held one already, is held again under its key (counted once).
+    key = transfer.hold_row(getattr(req, "kv", None),
+                            key=lease.row_key if lease is not None else None)
+    if lease is not None:
+        lease.row_key = key
     metrics.inc("rows_held_for_good_total")
     logger.error("pdsafe source lease: request %s (room %s) keeps its KV pages for good: %s. "
                  "Restart the prefill to reclaim them.", getattr(req, "rid", "?"),
@@ -585,7 +592,8 @@ def _release(reg: SourceLeases, kv_mgr: Any, rec: Transfer, now: float) -> None:
     lease: Lease = rec.hold
     rec.advance(State.RELEASED, why="drained on every rank")
     reg.remove(rec)
-    transfer.drop_row(rec.seq)
+    if lease.row_key is not None:
+        transfer.drop_row(lease.row_key)
     metrics.inc(RELEASED)
     metrics.observe("source_lease_hold_seconds", max(0.0, now - lease.held_since))
     try:

@@ -406,18 +406,39 @@ class HeldRow:
     pages: Any | None = None
 
 
-def hold_row(key: int, kv_row: Any, pages: Any | None = None) -> None:
-    """Keep ``kv_row`` (a request's KV record, or its accounting copy) accounted as in use
-    under ``key``; ``pages``: see :class:`HeldRow`."""
+#: Keys of the held-row table, minted here. Never a caller's ``id()``: Python reuses the id of
+#: a collected object, so a later request's hold would replace an earlier one's under the same
+#: key and drop that row from the accounting (a hold for good is never dropped, and upstream's
+#: strict idle memory check then stops the scheduler: "req_to_token_pool memory leak").
+_row_keys = itertools.count(1)
+
+
+def hold_row(kv_row: Any, pages: Any | None = None, *, key: int | None = None) -> int:
+    """Keep ``kv_row`` (a request's KV record, or its accounting copy) accounted as in use;
+    ``pages``: see :class:`HeldRow`. Returns the row's key in the table: a fresh one, or
+    ``key`` (a key this function returned) to replace the row that key holds (the same row
+    held again, counted once). Invariant: two holds made without a key never share one."""
     with _rows_lock:
+        if key is None:
+            key = next(_row_keys)
         _held_rows[key] = HeldRow(kv_row, pages)
-    metrics.set_gauge("held_rows", float(len(_held_rows)))
+        n = len(_held_rows)
+    metrics.set_gauge("held_rows", float(n))
+    return key
 
 
 def drop_row(key: int) -> None:
+    """Forget the row held under ``key`` (a key :func:`hold_row` returned)."""
     with _rows_lock:
         _held_rows.pop(key, None)
-    metrics.set_gauge("held_rows", float(len(_held_rows)))
+        n = len(_held_rows)
+    metrics.set_gauge("held_rows", float(n))
+
+
+def held_items() -> list[tuple[int, HeldRow]]:
+    """Every held row with its key (for audits and the tests' cleanup)."""
+    with _rows_lock:
+        return list(_held_rows.items())
 
 
 @passthrough("transfer.held_rows",
