@@ -89,11 +89,15 @@ class Knobs:
     #: Longest probe prompt ``over-capacity-deployed`` sends (0: no cap); longer probes are
     #: listed as skipped in the cell's notes (a deployment's own limit may be 1M tokens).
     max_probe_tokens: int = 0
+    #: Requests of ``concurrent-trace`` and the window their start times are drawn from.
+    trace_requests: int = 40
+    trace_window_s: float = 10.0
 
     @classmethod
     def for_mode(cls, quick: bool, **over: Any) -> Knobs:
         k = (cls(quick=True, steady_requests=12, victims=2, attacks=2, concurrency=4,
-                 bound_s=20.0, settle_s=5.0, divergence_rounds=2)
+                 bound_s=20.0, settle_s=5.0, divergence_rounds=2, trace_requests=24,
+                 trace_window_s=6.0)
              if quick else cls())
         for key, v in over.items():
             if v is not None:
@@ -1540,6 +1544,154 @@ def abort_during_decode(ctx: Ctx) -> None:
     _after(ctx, ctx.knobs.victims, limit)
 
 
+#: The mix of ``concurrent-trace``: (kind, weight). ``MUST_SERVE`` kinds must be answered
+#: reference-identical by a safe pair (nothing about them is wrong); the others may also get an
+#: explicit error, never other content and never a hang.
+TRACE_MIX: tuple[tuple[str, int], ...] = (
+    ("plain", 6), ("stream", 3), ("shared-prefix", 5), ("parallel", 3), ("over-limit", 2),
+    ("client-cut", 3), ("decode-only", 1), ("room-reuse", 2))
+TRACE_MUST_SERVE = ("plain", "stream", "shared-prefix", "parallel")
+#: New tokens of a trace request: few, so that 40 requests fit a 2-core box's minute.
+TRACE_MAX_NEW = (4, 24)
+
+
+def trace_kind(label: str) -> str:
+    """The kind of a ``concurrent-trace`` record's label (``trace-7-parallel#1`` ->
+    ``parallel``, ``trace-3-room-reuse-b`` -> ``room-reuse``; ``""`` for another phase's)."""
+    if not label.startswith("trace-") or label.count("-") < 2:
+        return ""
+    rest = label.split("#")[0].split("-", 2)[2]
+    return next((k for k, _ in TRACE_MIX if rest == k or rest == f"{k}-a" or rest == f"{k}-b"),
+                "")
+
+
+def _delayed(job: Job, offset_s: float) -> Job:
+    """``job`` whose request leaves ``offset_s`` after its phase starts."""
+    call = job.call
+
+    def later() -> Answer:
+        time.sleep(offset_s)
+        return call()
+
+    job.call = later
+    job.side["offset_s"] = round(offset_s, 3)
+    return job
+
+
+def _trace_jobs(ctx: Ctx, limit: int) -> list[Job]:
+    """The seeded trace (see :func:`concurrent_trace`): one job per request, each with its
+    start offset; a ``room-reuse`` entry is two requests (``-a``, ``-b``) of one room."""
+    rng, t = ctx.rng, ctx.target
+    kinds = [k for k, w in TRACE_MIX for _ in range(w)]
+    prefixes = [ctx.canary(f"trace-prefix-{i}", rng.randint(32, max(40, min(limit // 4, 160))))[1]
+                for i in range(3)]
+    window = ctx.knobs.trace_window_s
+    first = rng.sample([k for k, _ in TRACE_MIX], len(TRACE_MIX))
+    jobs: list[Job] = []
+    for i in range(ctx.knobs.trace_requests):
+        # Every kind once first (in a random order), then drawn by weight.
+        kind = first[i] if i < len(first) else rng.choice(kinds)
+        label = f"trace-{i}-{kind}"
+        max_new = rng.randint(*TRACE_MAX_NEW)
+        if kind == "shared-prefix":
+            # Another tenant's prompt begins the same way: the prefill's prefix cache serves
+            # the shared part from pages an earlier request wrote.
+            owner, tail = ctx.canary(label, rng.randint(8, 64))
+            p = (rng.choice(prefixes) + tail)[:limit - 1]
+        elif kind == "over-limit":
+            owner, p = ctx.canary(label, limit + rng.randint(1, 48))
+            max_new = 4
+        else:
+            owner, p = ctx.canary(label, rng.randint(16, max(32, min(limit - 1, limit // 2))))
+        batch: list[Job]
+        if kind in ("plain", "stream", "shared-prefix", "over-limit"):
+            batch = [ctx.normal(label, p, max_new, canary=owner, stream=kind == "stream")]
+        elif kind == "parallel":
+            n = rng.choice((2, 3))
+            job = ctx.normal(label, p, max_new, canary=owner, n=n)
+            job.side["n"] = n
+            batch = [job]
+        elif kind == "client-cut":
+            batch = [_stream_job(ctx, label, p, max(max_new, 16), owner,
+                                 via_router=bool(t.router_url), cut_after=rng.randint(1, 4))]
+        elif kind == "decode-only":
+            # Bootstrap fields naming a room no prefill request will ever claim.
+            batch = [ctx.decode_only(label, p, max_new, canary=owner,
+                                     bootstrap_host=t.bootstrap_host,
+                                     bootstrap_port=t.bootstrap_port,
+                                     bootstrap_room=rng.randrange(1 << 62))]
+        else:  # room-reuse: two clients choose the same room, at nearby times
+            room = rng.randrange(1 << 62)
+            owner_b, p_b = ctx.canary(label + "-b", rng.randint(16, max(32, limit // 2)))
+            batch = [ctx.direct(label + "-a", p, max_new, canary=owner, room=room),
+                     ctx.direct(label + "-b", p_b, max_new, canary=owner_b, room=room)]
+        start = rng.uniform(0.0, window)
+        for k, job in enumerate(batch):
+            job.side["kind"] = kind
+            jobs.append(_delayed(job, start + 0.05 * k * rng.random()))
+    return jobs
+
+
+def concurrent_trace(ctx: Ctx) -> list[Job]:
+    """A seeded concurrent trace of mixed client traffic on one pair (the method of
+    concurrent-trace fuzzers such as GRIEF, arXiv 2605.11202, which found cross-request
+    contamination in vLLM and SGLang): ``trace_requests`` requests, each leaving at a random
+    time within ``trace_window_s``, of these kinds (``TRACE_MIX``):
+
+    ``plain`` and ``stream`` (canary prompts up to half the pair's limit, through the router),
+    ``shared-prefix`` (one of three shared prefixes plus the request's own canary tail: the
+    prefill's prefix cache hands out pages another request wrote), ``parallel`` (``n`` 2 or 3,
+    greedy: every sample must equal the reference), ``over-limit`` (up to 48 tokens past the
+    pair's limit), ``client-cut`` (a stream the client closes after 1 to 4 tokens),
+    ``decode-only`` (bootstrap fields sent to the decode alone, naming a room no prefill
+    request claims) and ``room-reuse`` (two requests sent to both legs directly with the same
+    client-chosen room, at nearby times). Normal requests follow on the pages the trace used.
+
+    Every answer is judged on content (a cut stream on the tokens it got). A leak: any 200
+    whose content is not the reference's (a sample, a cut stream's first tokens, a prompt
+    sharing a prefix with another tenant's). A hang: any request, whatever its kind, without
+    an answer within the bound (a reservation nobody releases stalls the pair: one
+    decode-only request holds its pages plus the decode's reserved tokens). The notes give,
+    per kind, the outcomes and the slowest answer, and whether the decode emptied its queues
+    afterwards. Probes every gap at once under concurrency (upstream-gaps 1 to 4: rejected
+    prompts, client-chosen rooms, ``n>1`` sharing a room, releases without a generation).
+    Returns the trace's jobs, each with its answer (for a caller that reads full messages)."""
+    limit, _ = _pair_limit(ctx)
+    jobs = _trace_jobs(ctx, limit)
+    ctx.announce(f"concurrent-trace: {len(jobs)} requests within {ctx.knobs.trace_window_s:g} "
+                 f"s (bound {ctx.knobs.bound_s:g} s each)")
+    ctx.run_phase("trace", jobs, concurrency=len(jobs))
+    by_kind: dict[str, list[Job]] = {}
+    for j in jobs:
+        by_kind.setdefault(str(j.side["kind"]), []).append(j)
+    outcomes = {r.label: r.outcome.value for r in ctx.records if r.phase == "trace"}
+    for kind, js in sorted(by_kind.items()):
+        seen: dict[str, int] = {}
+        for j in js:
+            for label, o in outcomes.items():
+                if label.split("#")[0] == j.label:
+                    seen[o] = seen.get(o, 0) + 1
+        slowest = max((j.answer.e2e_s or 0.0 for j in js if j.answer), default=0.0)
+        ctx.notes.append(f"trace {kind}: {len(js)} requests, "
+                         + ", ".join(f"{o} {c}" for o, c in sorted(seen.items()))
+                         + f"; slowest answer {slowest:.1f} s")
+    t_end = time.monotonic()
+    idle_s = None
+    while time.monotonic() - t_end < max(10.0, ctx.knobs.settle_s):
+        ld = pd_load(ctx.target.decode_url)
+        if ld and not any(ld.get(k, 0) for k in ("decode_prealloc_queue_reqs",
+                                                 "decode_transfer_queue_reqs",
+                                                 "num_running_reqs")):
+            idle_s = time.monotonic() - t_end
+            break
+        time.sleep(0.2)
+    ctx.notes.append("after the trace the decode's queues were "
+                     + (f"empty {idle_s:.1f} s later" if idle_s is not None
+                        else "still busy at the settle bound"))
+    _after(ctx, ctx.knobs.victims, limit)
+    return jobs
+
+
 _FAULT_HOOKS = ("needs a test-only fault hook of the {stage} stage (pdsafe_testkit.faults plugin) "
                 "that is not there yet; the scenario is registered so the report shows the gap")
 
@@ -1685,6 +1837,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("crash-prefill-mid-transfer", "crash", "late_write", crash_prefill_mid_transfer,
              in_quick=False),
     *(_corruption_scenario(what) for what in CORRUPTIONS),
+    # It takes a stock decode down too (a shared room, "Unexpected poll case"): the stack is
+    # restarted for room-n-greater-1. Full matrix, deployment mode and by name: about 1.5 min
+    # for both variants.
+    Scenario("concurrent-trace", "trace", "default", concurrent_trace, deployment_ok=True,
+             known_unsafe_upstream=True, in_quick=False),
     # Last in the registry (after the default stack's other scenarios): it takes a stock decode
     # down (measured, docs/benchmark.md), and the stack is then restarted only if another
     # scenario needs it. Full matrix only: --quick's margin, and room-duplicate-concurrent shows

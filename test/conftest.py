@@ -78,7 +78,7 @@ def pd(request: pytest.FixtureRequest, log_dir: Path, model_path: Path) -> Itera
                              # transfer generation's end-to-end test).
                              env={"SGLANG_PDSAFE_TEST_FAULTS": "stale_status",
                                   # Metadata no request claims is dropped after 10 s
-                                  # (test/pd/test_unclaimed_rooms.py; default 60 s).
+                                  # (test/pd/test_unclaimed_rooms.py; the default).
                                   "SGLANG_PDSAFE_UNCLAIMED_ROOM_TIMEOUT_S": "10"},
                              upstream_spawn=True),
         decode=ServerConfig(role="decode", model_path=model_path,

@@ -359,13 +359,16 @@ def test_the_cost_table_excludes_upstream_work_and_counts_hooks_inside_it_once()
         policy.measure_cost(True)
         release()
         table = policy.hook_cost()
-        calls, ns = table["*"]
-        assert calls == 1  # the stamp ran inside the release: not an outermost call
+        outer = policy.hook_cost_outermost()
         assert table[stamp_name][0] == 1 and table[stamp_name][1] >= 20_000_000
         # the release's charge: its stamp, not upstream's 0.2 s
         assert 20_000_000 <= table[release_name][1] < 150_000_000
-        assert ns == table[release_name][1]
-        assert policy.hook_cost_outermost() == {release_name: (1, ns)}  # the partition of "*"
+        # the stamp ran inside the release: not an outermost call of its own
+        assert outer[release_name] == (1, table[release_name][1]) and stamp_name not in outer
+        # "*" counts the outermost calls only (of every thread: background threads of other
+        # tests' KV managers, such as an unclaimed-room sweep, may run hooks meanwhile)
+        calls, ns = table["*"]
+        assert calls >= 1 and ns >= table[release_name][1]
         policy.measure_cost(False)
         assert policy.run_upstream(lambda x: x + 1, 1) == 2  # off: just the call
     finally:

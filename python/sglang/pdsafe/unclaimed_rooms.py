@@ -11,7 +11,7 @@ reaches this prefill, and keeps it until a sender for the room is cleared. Two f
   no answer meanwhile; on a small decode pool it stalls every other request of the pair.
 
 **Rule.** A room's metadata that no sender of this prefill claims within
-``SGLANG_PDSAFE_UNCLAIMED_ROOM_TIMEOUT_S`` (default 60 s; a sender is created when the room's
+``SGLANG_PDSAFE_UNCLAIMED_ROOM_TIMEOUT_S`` (default 10 s; a sender is created when the room's
 request enters this prefill's scheduler, normally milliseconds after the decode's metadata) is
 *dropped*: its page addresses are forgotten, the room is remembered as refused for one more
 timeout (a sender opened for it meanwhile, the late request itself, fails at once,
@@ -83,7 +83,13 @@ logger = logging.getLogger("sglang.pdsafe.unclaimed_rooms")
 ENV_ENABLE = "SGLANG_PDSAFE_UNCLAIMED_ROOMS"
 ENV_TIMEOUT = "SGLANG_PDSAFE_UNCLAIMED_ROOM_TIMEOUT_S"
 ENV_LIMIT = "SGLANG_PDSAFE_UNCLAIMED_ROOM_LIMIT"
-DEFAULT_TIMEOUT_S = 60.0
+#: Short, because a reservation nobody claims holds the decode's pages plus its reserved
+#: decode tokens until then, and on a small pool that stalls every other request of the pair:
+#: with 60 s, 29 of the 44 requests of the benchmark's concurrent trace (1024-token decode
+#: pool, four decode-only requests among them) got no answer within 60 s; with 10 s all were
+#: answered within 33 s (docs/benchmark.md). A legitimate claim comes milliseconds to a
+#: scheduler iteration after the decode's metadata: both legs tokenize the same prompt.
+DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_LIMIT = 4096
 #: The sweeper wakes at least this often (a new earlier deadline wakes it at once).
 SWEEP_MAX_SLEEP_S = 1.0
