@@ -199,9 +199,13 @@ def test_the_suite_covers_every_hook_the_servers_declare(suite: Suite) -> None:
 #: ``peer_capability.refuses_transfer_info`` (its Failed echoes the metadata's generation).
 KNOWN_FINDINGS: dict[str, str] = {
     "control_mac.sealed": "a prefill that cannot sign a generation-tagged message (its "
-                          "Success, aux data) sends it unsigned; the keyed decode drops it and "
-                          "that one request waits for the decode's own timeout (no unsigned "
-                          "message may tell it otherwise); not in the CI sample",
+                          "Success, aux data, and the room's Failed while signing keeps "
+                          "failing) sends it unsigned; the keyed decode drops it and the "
+                          "request's decode leg waits for its own timeout (no unsigned message "
+                          "may tell it otherwise), through the router too: the router does not "
+                          "cancel the decode leg when the prefill leg fails (every router and "
+                          "direct item of the case waited, full run of 2026-12-07); not in the "
+                          "CI sample",
     "control_mac.sealed_for_prefill": "the alias item's prefill leg waits 20 s: the decode "
                                       "fails the room at the first pairing message it cannot "
                                       "sign for a prefill address it had not paired with; no "
@@ -213,7 +217,8 @@ KNOWN_FINDINGS: dict[str, str] = {
                                              "generation to its Success, aux data or Failed "
                                              "sends them untagged; the decode drops them (an "
                                              "untagged notice could be anyone's) and waits "
-                                             "for its timeout, as the hook declares (the "
+                                             "for its timeout, as the hook declares, "
+                                             "through the router too (the "
                                              "RecursionError that poisoned the prefill here "
                                              "is closed: transfer.fail_room is not re-entered "
                                              "for a room it is failing); not in the CI sample",
@@ -239,6 +244,12 @@ KNOWN_FINDINGS: dict[str, str] = {
 #: ``transfer.fail_room`` found no state and recorded nothing; a prefill room failed before its
 #: sender opens is now remembered and that sender fails at once; the fresh-clone CI of
 #: 0c3fb6f, test/unit/test_peer_release_backends.py).
+#: Found and closed 2026-12-07 (the full run of every hook in both modes on Mooncake, 168 cases,
+#: docs/failure-policy-suite.md): ``page_generation.release_source`` (mid) killed the prefill
+#: (upstream's strict idle check: "req_to_token_pool memory leak"): rows held for good were
+#: keyed by ``id(req)``, which Python reuses once a request object is collected, so a later
+#: hold replaced an earlier one and dropped that row from the accounting. The held-row table
+#: now mints its keys (test/unit/test_page_generation.py).
 
 
 def _param(case: tuple[str, str, str]) -> Any:

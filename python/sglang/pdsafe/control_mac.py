@@ -410,8 +410,12 @@ def _decode_bound_room(kv_mgr: Any, parts: Sequence[Any]) -> int | None:
 
 def _seal_failed(failure: policy.Failure) -> list[Any]:
     """The MAC could not be computed: the message goes unsigned (the keyed decode drops it)
-    and the room it names fails here, so both clients get an explicit error. Re-entry (the
-    room's Failed notice passes through here too) sends without failing again."""
+    and the room it names fails here: its prefill client gets an explicit error, and so does
+    its decode client when the room's Failed notice can be signed. When signing keeps
+    failing, that notice goes unsigned too (re-entry sends without failing again) and is
+    dropped there, as any unsigned notice must be: the decode leg ends at its waiting timeout,
+    through the router as well (it does not cancel the decode leg; the hook-failure suite's
+    full run, 2026-12-07)."""
     kv_mgr, parts = failure.args[0], failure.args[1]
     if not getattr(_failing, "active", False):
         _failing.active = True
@@ -426,7 +430,8 @@ def _seal_failed(failure: policy.Failure) -> list[Any]:
 @hook("control_mac.sealed", outcome=Outcome.REFUSE, counter=FAILED, on_failure=_seal_failed,
       key=lambda kv_mgr, parts: ("room", _decode_bound_room(kv_mgr, parts)),
       effect="the message goes unsigned (the keyed decode drops it) and its room fails here "
-             "(500), the decode told")
+             "(500); the decode is told when the room's Failed can be signed, else it fails "
+             "at its waiting timeout (the router does not cancel it)")
 def sealed(kv_mgr: Any, parts: list[Any]) -> list[Any]:
     """Prefill, every message sent to a decode's control port (upstream's
     ``_send_multipart_locked``): signed when this leg has a key and the message carries a

@@ -659,8 +659,9 @@ def _note_failed(failure: policy.Failure) -> None:
     error (the sender opened later fails at once). The decode is told ``Failed`` tagged with
     the generation its message carried, when that one step still runs on its own (it reads
     the frame and stores it, nothing else); otherwise the untagged notice is dropped there,
-    as it must be, and the decode fails at its own timeout or the router's cancel (counted
-    here). The room's metadata is dropped, so upstream's bootstrap thread skips the room
+    as it must be, and the decode fails at its own waiting timeout (counted here; the router
+    does not cancel the decode leg when the prefill leg fails). The room's metadata is
+    dropped, so upstream's bootstrap thread skips the room
     (``pdsafe_note_transfer_generation`` returns False) and nothing is ever written to it."""
     kv_mgr, room, msg = failure.args[0], failure.args[1], failure.args[2]
     try:
@@ -778,7 +779,8 @@ def target_generation(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> int |
 
 def _frames_failed(failure: policy.Failure) -> list[bytes]:
     """The frame could not be read: the room fails here now; the message goes without a
-    generation (the decode drops it, and fails at its timeout or the router's cancel)."""
+    generation (the decode drops it, and fails at its waiting timeout: the router does not
+    cancel the decode leg when the prefill leg fails, measured by the hook-failure suite)."""
     kv_mgr, room = failure.args[0], failure.args[1]
     transfer.fail_room(kv_mgr, room, failure.refusal(
         500, "the KV transfer (its transfer generation could not be attached)"))
@@ -788,7 +790,7 @@ def _frames_failed(failure: policy.Failure) -> list[bytes]:
 @hook("transfer_generation.generation_frames", outcome=Outcome.REFUSE, counter=FAILED,
       on_failure=_frames_failed, key=lambda kv_mgr, room, *a: ("room", room),
       effect="the room fails on the prefill at once; the untagged message is dropped by "
-             "the decode (which fails at its timeout or through the router's cancel)")
+             "the decode, which fails at its waiting timeout (the router does not cancel it)")
 def generation_frames(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> list[bytes]:
     """Prefill, for a message to one decode endpoint: the generation frame that endpoint sent
     for the room, or none (it sent none: a stock decode, or a room this prefill forgot)."""
@@ -799,7 +801,7 @@ def generation_frames(kv_mgr: Any, room: int, endpoint: Any, port: Any) -> list[
 @hook("transfer_generation.status_frames", outcome=Outcome.REFUSE, counter=FAILED,
       on_failure=_frames_failed, key=lambda kv_mgr, room, *a, **k: ("room", room),
       effect="the room fails on the prefill at once; the untagged message is dropped by "
-             "the decode (which fails at its timeout or through the router's cancel)")
+             "the decode, which fails at its waiting timeout (the router does not cancel it)")
 def status_frames(kv_mgr: Any, room: int, endpoint: Any, port: Any, *,
                   has_reason: bool) -> list[bytes]:
     """:func:`generation_frames` for a KV status message: an empty reason frame goes first
