@@ -1043,6 +1043,18 @@ def pd_load(url: str) -> dict[str, int]:
     return out
 
 
+def _decode_idle_after(ctx: Ctx, keys: Sequence[str]) -> float | None:
+    """Seconds until every one of the decode's ``keys`` (``pd_load``) reads zero, polled for
+    at most ``max(10 s, settle_s)``; None when they did not (or the load stayed unreadable)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < max(10.0, ctx.knobs.settle_s):
+        ld = pd_load(ctx.target.decode_url)
+        if ld and not any(ld.get(k, 0) for k in keys):
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    return None
+
+
 def _queued(url: str, key: str, base: int, done: Callable[[], bool],
             timeout_s: float = 10.0) -> bool:
     """Whether ``url``'s queue ``key`` grew past ``base`` before ``done()`` (the request already
@@ -1526,14 +1538,8 @@ def abort_during_decode(ctx: Ctx) -> None:
                                 via_router=bool(t.router_url) and i % 2 == 0))
     ctx.run_phase("cut", jobs + _normals(ctx, "during", ctx.knobs.attacks, limit),
                   concurrency=2 * len(jobs) or 1)
-    t_end = time.monotonic()
     running = pd_load(t.decode_url).get("num_running_reqs")
-    drained_s = None
-    while time.monotonic() - t_end < max(10.0, ctx.knobs.settle_s):
-        if pd_load(t.decode_url).get("num_running_reqs", 0) == 0:
-            drained_s = time.monotonic() - t_end
-            break
-        time.sleep(0.1)
+    drained_s = _decode_idle_after(ctx, ("num_running_reqs",))
     cut = [j for j in jobs if j.side.get("cut")]
     ctx.notes.append(
         f"{len(cut)} of {len(jobs)} streams cut by the client (asking up to "
@@ -1664,27 +1670,18 @@ def concurrent_trace(ctx: Ctx) -> list[Job]:
     by_kind: dict[str, list[Job]] = {}
     for j in jobs:
         by_kind.setdefault(str(j.side["kind"]), []).append(j)
-    outcomes = {r.label: r.outcome.value for r in ctx.records if r.phase == "trace"}
+    seen: dict[str, dict[str, int]] = {}
+    for r in ctx.records:
+        if r.phase == "trace":
+            counts = seen.setdefault(trace_kind(r.label), {})
+            counts[r.outcome.value] = counts.get(r.outcome.value, 0) + 1
     for kind, js in sorted(by_kind.items()):
-        seen: dict[str, int] = {}
-        for j in js:
-            for label, o in outcomes.items():
-                if label.split("#")[0] == j.label:
-                    seen[o] = seen.get(o, 0) + 1
         slowest = max((j.answer.e2e_s or 0.0 for j in js if j.answer), default=0.0)
         ctx.notes.append(f"trace {kind}: {len(js)} requests, "
-                         + ", ".join(f"{o} {c}" for o, c in sorted(seen.items()))
+                         + ", ".join(f"{o} {c}" for o, c in sorted(seen.get(kind, {}).items()))
                          + f"; slowest answer {slowest:.1f} s")
-    t_end = time.monotonic()
-    idle_s = None
-    while time.monotonic() - t_end < max(10.0, ctx.knobs.settle_s):
-        ld = pd_load(ctx.target.decode_url)
-        if ld and not any(ld.get(k, 0) for k in ("decode_prealloc_queue_reqs",
-                                                 "decode_transfer_queue_reqs",
-                                                 "num_running_reqs")):
-            idle_s = time.monotonic() - t_end
-            break
-        time.sleep(0.2)
+    idle_s = _decode_idle_after(ctx, ("decode_prealloc_queue_reqs",
+                                      "decode_transfer_queue_reqs", "num_running_reqs"))
     ctx.notes.append("after the trace the decode's queues were "
                      + (f"empty {idle_s:.1f} s later" if idle_s is not None
                         else "still busy at the settle bound"))

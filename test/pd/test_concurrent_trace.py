@@ -58,7 +58,7 @@ pytestmark = pytest.mark.server
 BOUND_S = 90.0
 
 
-def test_concurrent_trace_is_reference_identical_or_refused(pd, reference, model_path):
+def test_concurrent_trace_is_reference_identical_or_refused(pd, reference):
     if pd.backend not in ci_backends():
         pytest.skip(f"{pd.backend}: not in this run's backends (CI time)")
     target = deployment_target(pd.prefill.url, pd.decode.url, pd.router.url,
